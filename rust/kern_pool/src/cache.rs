@@ -1,0 +1,145 @@
+//! The one object the scheduler talks to: the device pool, the host tier and the prefix tree,
+//! behind the verbs a scheduler needs (match, lock/unlock, insert, make room, wake, alloc/free,
+//! stats, check integrity). One call per operation keeps the number of crossings low.
+
+use crate::error::{KernError, Result};
+use crate::host::Host;
+use crate::ids::{NodeId, PageId, SlotId};
+use crate::plan::{Evicted, WakePlan};
+use crate::pool::{Kind, Pool, PoolStats};
+use crate::prefix::{Inserted, Match, Prefix, PrefixStats};
+
+/// Sizes a cache is built from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheConfig {
+    pub page_tokens: u32,
+    pub page_bytes: u64,
+    /// Zero for a model without recurrent state.
+    pub state_bytes: u64,
+    pub device_bytes: u64,
+    /// Zero for no host tier.
+    pub host_bytes: u64,
+    /// State slots reserved at start (a stateful target starts with two and grows).
+    pub min_slots: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheStats {
+    pub device: PoolStats,
+    pub host: Option<PoolStats>,
+    pub tree: PrefixStats,
+}
+
+#[derive(Clone, Debug)]
+pub struct Cache {
+    pool: Pool,
+    host: Option<Host>,
+    prefix: Prefix,
+}
+
+impl Cache {
+    pub fn new(cfg: CacheConfig) -> Result<Self> {
+        let prefix = Prefix::new(cfg.page_tokens)?;
+        let min_slots = if cfg.state_bytes > 0 {
+            cfg.min_slots
+        } else {
+            0
+        };
+        let pool = Pool::new(cfg.device_bytes, cfg.page_bytes, cfg.state_bytes, min_slots)?;
+        let host = if cfg.host_bytes > 0 {
+            Some(Host::new(cfg.host_bytes, cfg.page_bytes, cfg.state_bytes)?)
+        } else {
+            None
+        };
+        Ok(Cache { pool, host, prefix })
+    }
+
+    pub fn page_tokens(&self) -> u32 {
+        self.prefix.page_tokens()
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn match_prefix(&mut self, tokens: &[u32]) -> Match {
+        self.prefix.match_prefix(tokens)
+    }
+
+    pub fn lock(&mut self, node: NodeId) -> Result<()> {
+        self.prefix.lock(node)
+    }
+
+    pub fn unlock(&mut self, node: NodeId) -> Result<()> {
+        self.prefix.unlock(node)
+    }
+
+    pub fn insert(
+        &mut self,
+        tokens: &[u32],
+        pages: &[u32],
+        state: Option<SlotId>,
+    ) -> Result<Inserted> {
+        self.prefix.insert(&self.pool, tokens, pages, state)
+    }
+
+    pub fn make_room(&mut self, pages: u64, slots: u64, park: bool) -> Vec<Evicted> {
+        self.prefix
+            .make_room(&mut self.pool, self.host.as_mut(), pages, slots, park)
+    }
+
+    pub fn wake(&mut self, node: NodeId) -> Result<WakePlan> {
+        self.prefix.wake(&mut self.pool, self.host.as_mut(), node)
+    }
+
+    pub fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>> {
+        Ok(self
+            .pool
+            .alloc(Kind::Pages, n)?
+            .into_iter()
+            .map(PageId)
+            .collect())
+    }
+
+    /// Free the caller's own pages. Pages the tree holds are refused, so a stale page list can
+    /// never free what a cached prefix still names.
+    pub fn free_pages(&mut self, pages: &[u32]) -> Result<()> {
+        if let Some(&p) = pages.iter().find(|&&p| self.prefix.owns_page(p)) {
+            return Err(KernError::OwnedByCache {
+                what: "page",
+                id: p,
+            });
+        }
+        self.pool.free(Kind::Pages, pages)
+    }
+
+    pub fn alloc_slot(&mut self) -> Result<SlotId> {
+        Ok(SlotId(self.pool.alloc(Kind::Slots, 1)?[0]))
+    }
+
+    pub fn free_slot(&mut self, slot: SlotId) -> Result<()> {
+        if self.prefix.owns_slot(slot.0) {
+            return Err(KernError::OwnedByCache {
+                what: "state slot",
+                id: slot.0,
+            });
+        }
+        self.pool.free(Kind::Slots, &[slot.0])
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            device: self.pool.stats(),
+            host: self.host.as_ref().map(Host::stats),
+            tree: self.prefix.stats(),
+        }
+    }
+
+    pub fn check_integrity(&self) -> Result<()> {
+        self.pool.check_integrity()?;
+        if let Some(host) = &self.host {
+            host.check_integrity()?;
+        }
+        self.prefix.check_integrity(&self.pool, self.host.as_ref())
+    }
+}

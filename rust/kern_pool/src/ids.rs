@@ -1,0 +1,40 @@
+//! Handles that cross the boundary. Each id has its own type so a host slot can never be passed
+//! where a device page is expected.
+
+/// A KV page position in the device arena: page `p` lives at byte `p * page_bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageId(pub u32);
+
+/// A recurrent-state slot position in the device arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SlotId(pub u32);
+
+/// A page-sized slot in the host tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostPageId(pub u32);
+
+/// A state-sized slot in the host tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostSlotId(pub u32);
+
+/// A node of the prefix tree. The generation makes a handle to a removed node detectably stale
+/// instead of silently naming whatever reused its index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId {
+    pub index: u32,
+    pub generation: u32,
+}
+
+impl NodeId {
+    /// One integer for Python: generation in the high half, index in the low half.
+    pub fn to_u64(self) -> u64 {
+        (u64::from(self.generation) << 32) | u64::from(self.index)
+    }
+
+    pub fn from_u64(raw: u64) -> Self {
+        NodeId {
+            index: (raw & 0xffff_ffff) as u32,
+            generation: (raw >> 32) as u32,
+        }
+    }
+}

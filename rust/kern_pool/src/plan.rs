@@ -1,0 +1,40 @@
+//! What must move. The crate never touches memory: each call that moves data returns one of
+//! these, and the runner lands it as one batched index copy per list before the memory it frees
+//! is reused (the freed device pages are already free in the pool's books).
+
+use crate::ids::{HostPageId, HostSlotId, PageId, SlotId};
+
+/// Device → host copies for an entry being parked.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ParkPlan {
+    pub pages: Vec<(PageId, HostPageId)>,
+    pub states: Vec<(SlotId, HostSlotId)>,
+}
+
+/// Host → device copies for parked entries being woken.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WakePlan {
+    pub pages: Vec<(HostPageId, PageId)>,
+    pub states: Vec<(HostSlotId, SlotId)>,
+}
+
+/// Names a tree entry: the whole token path from the root to the entry's end, and where the
+/// entry's own tokens start in it (page-aligned).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct EntryKey {
+    pub tokens: Vec<u32>,
+    pub start: u32,
+}
+
+/// What one step of the make-room loop took. Callers count evictions from these values alone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Evicted {
+    /// The entry went to host memory; `dropped` are the parked entries removed to make room.
+    Parked {
+        key: EntryKey,
+        plan: ParkPlan,
+        dropped: Vec<EntryKey>,
+    },
+    /// The entry was removed; `parked` says whether it was in host memory.
+    Dropped { key: EntryKey, parked: bool },
+}
