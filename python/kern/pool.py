@@ -36,6 +36,7 @@ from kern._pool import (
     SharedPageExtended,
     Stats,
     UnknownNode,
+    Woken,
 )
 
 __all__ = [
@@ -58,4 +59,5 @@ __all__ = [
     "SharedPageExtended",
     "Stats",
     "UnknownNode",
+    "Woken",
 ]

@@ -11,11 +11,12 @@ pub struct ParkPlan {
     pub states: Vec<(SlotId, HostSlotId)>,
 }
 
-/// Host → device copies for parked entries being woken.
+/// Host → device copies for parked entries being woken, and which entries they were.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct WakePlan {
     pub pages: Vec<(HostPageId, PageId)>,
     pub states: Vec<(HostSlotId, SlotId)>,
+    pub woken: Vec<EntryKey>,
 }
 
 /// Names a tree entry: the whole token path from the root to the entry's end, and where the

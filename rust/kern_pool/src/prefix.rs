@@ -16,6 +16,7 @@
 //! - Tried and dropped: merging a node with its only child after a removal. It saves nodes but
 //!   moves pages between nodes that a lock or an outstanding handle may name.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 use crate::error::{KernError, Result};
@@ -25,6 +26,10 @@ use crate::plan::{EntryKey, Evicted, ParkPlan, WakePlan};
 use crate::pool::{Kind, Pool};
 
 const ROOT: u32 = 0;
+
+/// Order of eviction candidates: coldest first, and on a tie the deeper entry first (a path
+/// touched together goes leaf first). The index only makes the key unique.
+type LruKey = (u64, Reverse<u32>, u32);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Tier {
@@ -58,7 +63,7 @@ struct Node {
     num_resident_children: u32,
     lock: u32,
     stamp: u64,
-    lru: Option<(Lru, u64)>,
+    lru: Option<(Lru, LruKey)>,
 }
 
 impl Node {
@@ -170,8 +175,8 @@ pub struct Prefix {
     page_tokens: u32,
     nodes: Vec<Node>,
     free_nodes: Vec<u32>,
-    resident_lru: BTreeSet<(u64, u32)>,
-    parked_lru: BTreeSet<(u64, u32)>,
+    resident_lru: BTreeSet<LruKey>,
+    parked_lru: BTreeSet<LruKey>,
     clock: u64,
     owned_pages: BitSet,
     owned_slots: BitSet,
@@ -239,10 +244,10 @@ impl Prefix {
     // ---- LRU bookkeeping: every change to tier, lock, children or stamp goes through here.
 
     fn unlink(&mut self, i: u32) {
-        if let Some((set, stamp)) = self.nodes[i as usize].lru.take() {
+        if let Some((set, key)) = self.nodes[i as usize].lru.take() {
             match set {
-                Lru::Resident => self.resident_lru.remove(&(stamp, i)),
-                Lru::Parked => self.parked_lru.remove(&(stamp, i)),
+                Lru::Resident => self.resident_lru.remove(&key),
+                Lru::Parked => self.parked_lru.remove(&key),
             };
         }
     }
@@ -257,13 +262,13 @@ impl Prefix {
             Tier::Parked if n.lock == 0 && n.num_children == 0 => Some(Lru::Parked),
             _ => None,
         };
-        let stamp = n.stamp;
+        let key = (n.stamp, Reverse(n.end()), i);
         if let Some(set) = set {
             match set {
-                Lru::Resident => self.resident_lru.insert((stamp, i)),
-                Lru::Parked => self.parked_lru.insert((stamp, i)),
+                Lru::Resident => self.resident_lru.insert(key),
+                Lru::Parked => self.parked_lru.insert(key),
             };
-            self.nodes[i as usize].lru = Some((set, stamp));
+            self.nodes[i as usize].lru = Some((set, key));
         }
     }
 
@@ -283,23 +288,20 @@ impl Prefix {
 
     // ---- Walking.
 
-    /// The child of `node` sharing the longest prefix with `rest`; on a tie, a resident one.
+    /// The child of `node` sharing the longest prefix with `rest`; on a tie, a resident one
+    /// (no wake needed), then one matched whole (a partial leaf holding a snapshot at the hit).
     fn best_child(&self, node: u32, rest: &[u32]) -> Option<(u32, usize)> {
         let bucket = self.nodes[node as usize].children.get(rest.first()?)?;
-        let mut best: Option<(u32, usize, bool)> = None;
+        let mut best: Option<(u32, (usize, bool, bool))> = None;
         for &c in bucket {
             let n = &self.nodes[c as usize];
             let l = lcp(&n.tokens, rest);
-            let resident = n.tier == Tier::Resident;
-            let better = match best {
-                None => true,
-                Some((_, bl, br)) => l > bl || (l == bl && resident && !br),
-            };
-            if better {
-                best = Some((c, l, resident));
+            let rank = (l, n.tier == Tier::Resident, l == n.tokens.len());
+            if best.is_none_or(|(_, b)| rank > b) {
+                best = Some((c, rank));
             }
         }
-        best.map(|(c, l, _)| (c, l))
+        best.map(|(c, (l, _, _))| (c, l))
     }
 
     /// The nodes a lookup of `tokens` passes through (the last possibly only partly matched),
@@ -561,19 +563,21 @@ impl Prefix {
         // Pages the tree owns may only be passed back where the tree holds them, and only if the
         // tree holds every token the caller has in them.
         let (path, hit) = self.walk(tokens);
-        let mut tree_page: HashMap<usize, u32> = HashMap::new();
+        let mut tree_page: Vec<Option<u32>> = vec![None; pages.len()];
         for &i in &path {
             let n = &self.nodes[i as usize];
             if n.tier == Tier::Resident {
                 let base = (n.start as usize) / pt;
                 for (j, &p) in n.pages.iter().enumerate() {
-                    tree_page.insert(base + j, p);
+                    if let Some(slot) = tree_page.get_mut(base + j) {
+                        *slot = Some(p);
+                    }
                 }
             }
         }
         for (g, &p) in pages.iter().enumerate() {
             if self.owned_pages.get(p) {
-                if tree_page.get(&g) != Some(&p) {
+                if tree_page[g] != Some(p) {
                     return Err(KernError::OwnedByCache {
                         what: "page",
                         id: p,
@@ -808,7 +812,7 @@ impl Prefix {
         park: bool,
     ) -> Vec<Evicted> {
         let mut out = Vec::new();
-        let Some(&(_, x)) = self.resident_lru.first() else {
+        let Some(&(_, _, x)) = self.resident_lru.first() else {
             return out;
         };
         if park {
@@ -824,7 +828,7 @@ impl Prefix {
                             out.push(Evicted::Parked { key, plan, dropped });
                             return out;
                         }
-                        let Some(&(_, y)) = self.parked_lru.first() else {
+                        let Some(&(_, _, y)) = self.parked_lru.first() else {
                             break;
                         };
                         dropped.push(self.drop_parked(y, host));
@@ -941,6 +945,7 @@ impl Prefix {
             });
             self.update(parent, |p| p.num_resident_children += 1);
             self.stats.num_woken += 1;
+            plan.woken.push(self.key(j));
         }
         Ok(plan)
     }
@@ -999,7 +1004,7 @@ impl Prefix {
                     }
                 }
             }
-            if u64::from(n.lock) < child_locks[i as usize] {
+            if i != ROOT && u64::from(n.lock) < child_locks[i as usize] {
                 return bad(format!(
                     "node {i}: lock {} below its children's {}",
                     n.lock, child_locks[i as usize]
@@ -1032,12 +1037,12 @@ impl Prefix {
                 Tier::Parked if n.lock == 0 && n.num_children == 0 => Some(Lru::Parked),
                 _ => None,
             };
-            let have = n.lru.map(|(s, stamp)| {
+            let have = n.lru.map(|(s, key)| {
                 let present = match s {
-                    Lru::Resident => self.resident_lru.contains(&(stamp, i)),
-                    Lru::Parked => self.parked_lru.contains(&(stamp, i)),
+                    Lru::Resident => self.resident_lru.contains(&key),
+                    Lru::Parked => self.parked_lru.contains(&key),
                 };
-                (s, stamp == n.stamp && present)
+                (s, key == (n.stamp, Reverse(n.end()), i) && present)
             });
             match (want, have) {
                 (None, None) => {}
@@ -1133,5 +1138,188 @@ impl Prefix {
             }
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PT: u32 = 4;
+
+    fn setup(device_pages: u64, host_pages: u64) -> (Prefix, Pool, Option<Host>) {
+        let pool = Pool::new(device_pages * 64, 64, 128, 2).unwrap();
+        let host = (host_pages > 0).then(|| Host::new(host_pages * 64, 64, 128).unwrap());
+        (Prefix::new(PT).unwrap(), pool, host)
+    }
+
+    fn put(t: &mut Prefix, pool: &mut Pool, tokens: &[u32]) -> Inserted {
+        let m = t.match_prefix(tokens);
+        let shared = (m.resident_len / PT) as usize;
+        let need = tokens.len().div_ceil(PT as usize) - shared;
+        let mut pages: Vec<u32> = m.pages[..shared].iter().map(|p| p.0).collect();
+        pages.extend(pool.alloc(Kind::Pages, need).unwrap());
+        let ins = t.insert(pool, tokens, &pages, None).unwrap();
+        let dups: Vec<u32> = ins.duplicates.iter().map(|p| p.0).collect();
+        pool.free(Kind::Pages, &dups).unwrap();
+        ins
+    }
+
+    #[test]
+    fn divergence_mid_page_branches_at_the_page_boundary() {
+        let (mut t, mut pool, host) = setup(64, 0);
+        put(&mut t, &mut pool, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        put(&mut t, &mut pool, &[1, 2, 3, 4, 5, 6, 0, 0]);
+        t.check_integrity(&pool, host.as_ref()).unwrap();
+        assert_eq!(t.match_prefix(&[1, 2, 3, 4, 5, 6, 7]).hit_len, 7);
+        assert_eq!(t.match_prefix(&[1, 2, 3, 4, 5, 6, 0, 0, 1]).hit_len, 8);
+        assert_eq!(t.match_prefix(&[1, 2, 3, 4, 5, 9]).hit_len, 5);
+        // Shared first page, two second pages, a tail page: 4 pages held.
+        assert_eq!(t.stats().resident_pages, 4);
+        assert_eq!(pool.stats().pages_used, 4);
+    }
+
+    #[test]
+    fn snapshot_inside_a_full_page_gets_its_own_partial_leaf() {
+        let (mut t, mut pool, host) = setup(64, 0);
+        put(&mut t, &mut pool, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        let slot = pool.alloc(Kind::Slots, 1).unwrap()[0];
+        let page = pool.alloc(Kind::Pages, 1).unwrap()[0];
+        let m = t.match_prefix(&[1, 2, 3, 4, 5, 6]);
+        let pages = [m.pages[0].0, page];
+        let ins = t
+            .insert(&pool, &[1, 2, 3, 4, 5, 6], &pages, Some(SlotId(slot)))
+            .unwrap();
+        assert_eq!(ins.state_duplicate, None);
+        assert!(ins.duplicates.is_empty());
+        let m = t.match_prefix(&[1, 2, 3, 4, 5, 6, 9]);
+        assert_eq!(
+            m.state,
+            Some(StateHit {
+                len: 6,
+                slot: Some(SlotId(slot))
+            })
+        );
+        t.check_integrity(&pool, host.as_ref()).unwrap();
+    }
+
+    #[test]
+    fn coldest_goes_first_and_a_path_goes_leaf_first() {
+        let (mut t, mut pool, mut host) = setup(64, 0);
+        put(&mut t, &mut pool, &[1, 1, 1, 1, 2, 2, 2, 2]);
+        put(&mut t, &mut pool, &[1, 1, 1, 1, 3, 3, 3, 3]);
+        put(&mut t, &mut pool, &[5, 5, 5, 5]);
+        t.match_prefix(&[1, 1, 1, 1, 2]); // [1..][2..] is now the warmest
+        let order: Vec<Vec<u32>> = (0..4)
+            .flat_map(|_| t.evict_one(&mut pool, host.as_mut(), false))
+            .map(|e| match e {
+                Evicted::Dropped { key, .. } => key.tokens,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            order,
+            vec![
+                vec![1, 1, 1, 1, 3, 3, 3, 3],
+                vec![5, 5, 5, 5],
+                vec![1, 1, 1, 1, 2, 2, 2, 2],
+                vec![1, 1, 1, 1]
+            ]
+        );
+        assert!(t.evict_one(&mut pool, host.as_mut(), false).is_empty());
+        assert_eq!(pool.stats().pages_used, 0);
+    }
+
+    #[test]
+    fn parking_drops_the_coldest_parked_to_make_room() {
+        let (mut t, mut pool, mut host) = setup(64, 2);
+        put(&mut t, &mut pool, &[1, 1, 1, 1, 1, 1, 1, 1]);
+        put(&mut t, &mut pool, &[2, 2, 2, 2, 2, 2, 2, 2]);
+        let first = t.evict_one(&mut pool, host.as_mut(), true);
+        assert!(matches!(&first[..], [Evicted::Parked { dropped, .. }] if dropped.is_empty()));
+        let second = t.evict_one(&mut pool, host.as_mut(), true);
+        match &second[..] {
+            [Evicted::Parked { key, dropped, .. }] => {
+                assert_eq!(key.tokens, vec![2; 8]);
+                assert_eq!(
+                    dropped.iter().map(|k| k.tokens.clone()).collect::<Vec<_>>(),
+                    vec![vec![1; 8]]
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        t.check_integrity(&pool, host.as_ref()).unwrap();
+        let s = t.stats();
+        assert_eq!(
+            (s.num_parked, s.num_dropped_parked, s.parked_pages),
+            (2, 1, 2)
+        );
+    }
+
+    #[test]
+    fn locks_protect_and_bad_unlocks_change_nothing() {
+        let (mut t, mut pool, mut host) = setup(64, 0);
+        let ins = put(&mut t, &mut pool, &[1, 2, 3, 4, 5]);
+        let node = ins.node.unwrap();
+        t.lock(node).unwrap();
+        assert!(t.evict_one(&mut pool, host.as_mut(), false).is_empty());
+        t.unlock(node).unwrap();
+        assert_eq!(
+            t.unlock(node),
+            Err(KernError::NotLocked {
+                handle: node.to_u64()
+            })
+        );
+        let stale = NodeId {
+            index: node.index,
+            generation: node.generation + 1,
+        };
+        assert!(matches!(t.lock(stale), Err(KernError::UnknownNode { .. })));
+        t.check_integrity(&pool, host.as_ref()).unwrap();
+        assert_eq!(t.evict_one(&mut pool, host.as_mut(), false).len(), 1);
+        assert!(matches!(t.lock(node), Err(KernError::UnknownNode { .. })));
+    }
+
+    #[test]
+    fn a_lock_survives_a_split_of_its_node() {
+        let (mut t, mut pool, mut host) = setup(64, 0);
+        let ins = put(&mut t, &mut pool, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        t.lock(ins.node.unwrap()).unwrap();
+        put(&mut t, &mut pool, &[1, 2, 3, 4, 9]); // splits the locked node after its first page
+        assert_eq!(t.evict_one(&mut pool, host.as_mut(), false).len(), 1); // only the new leaf
+        assert_eq!(t.match_prefix(&[1, 2, 3, 4, 5, 6, 7, 8]).hit_len, 8);
+        t.unlock(ins.node.unwrap()).unwrap();
+        t.check_integrity(&pool, host.as_ref()).unwrap();
+    }
+
+    #[test]
+    fn insert_errors_change_nothing() {
+        let (mut t, mut pool, host) = setup(64, 0);
+        put(&mut t, &mut pool, &[1, 2, 3, 4, 5, 6]);
+        let before = (t.stats(), pool.stats());
+        let mine = pool.alloc(Kind::Pages, 2).unwrap();
+        let m = t.match_prefix(&[1, 2, 3, 4, 5, 6]);
+        let tree: Vec<u32> = m.pages.iter().map(|p| p.0).collect();
+        let cases: Vec<(&[u32], Vec<u32>)> = vec![
+            (&[1, 2, 3, 4, 5], vec![mine[0]]),                // too few pages
+            (&[1, 2, 3, 4, 5, 6, 7], vec![tree[0], tree[1]]), // shared tail page written into
+            (&[9, 9, 9, 9, 9], vec![tree[0], mine[0]]),       // the tree's page elsewhere
+            (&[1, 2, 3], vec![mine[0] + 1000]),               // not allocated
+            (&[1, 2, 3, 4, 5], vec![mine[0], mine[0]]),       // repeated
+        ];
+        for (tokens, pages) in cases {
+            assert!(
+                t.insert(&pool, tokens, &pages, None).is_err(),
+                "{tokens:?} {pages:?}"
+            );
+            t.check_integrity(&pool, host.as_ref()).unwrap();
+        }
+        pool.free(Kind::Pages, &mine).unwrap();
+        let after = pool.stats();
+        assert_eq!(
+            (before.1.pages_used, before.1.pages_free),
+            (after.pages_used, after.pages_free)
+        );
+        assert_eq!(before.0.num_nodes, t.stats().num_nodes);
     }
 }

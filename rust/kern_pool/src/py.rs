@@ -351,13 +351,38 @@ impl From<plan::ParkPlan> for CopyPlan {
     }
 }
 
-impl From<plan::WakePlan> for CopyPlan {
+/// What `Cache.wake` brought back: the host → device copies to land before the pages are read,
+/// and the entries woken.
+#[pyclass(frozen, module = "kern._pool")]
+pub struct Woken {
+    #[pyo3(get)]
+    plan: CopyPlan,
+    #[pyo3(get)]
+    keys: Vec<EntryKey>,
+}
+
+#[pymethods]
+impl Woken {
+    fn __repr__(&self) -> String {
+        format!(
+            "Woken(pages={}, entries={})",
+            self.plan.src_pages.len(),
+            self.keys.len()
+        )
+    }
+}
+
+impl From<plan::WakePlan> for Woken {
     fn from(p: plan::WakePlan) -> Self {
-        CopyPlan {
+        let plan = CopyPlan {
             src_pages: p.pages.iter().map(|(h, _)| h.0).collect(),
             dst_pages: p.pages.iter().map(|(_, d)| d.0).collect(),
             src_states: p.states.iter().map(|(h, _)| h.0).collect(),
             dst_states: p.states.iter().map(|(_, d)| d.0).collect(),
+        };
+        Woken {
+            plan,
+            keys: p.woken.into_iter().map(EntryKey::from).collect(),
         }
     }
 }
@@ -500,6 +525,11 @@ impl Cache {
     fn slots_per_chunk(&self) -> u32 {
         self.inner.pool().slots_per_chunk()
     }
+    /// Pages allocatable now without evicting anything (cheap; `stats()` recounts the tree).
+    #[getter]
+    fn pages_free(&self) -> u64 {
+        self.inner.pool().available(crate::pool::Kind::Pages)
+    }
 
     #[pyo3(name = "match")]
     fn match_(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Match> {
@@ -556,7 +586,7 @@ impl Cache {
         Ok(taken.into_iter().map(Evicted::from).collect())
     }
 
-    fn wake(&mut self, py: Python<'_>, node: u64) -> PyResult<CopyPlan> {
+    fn wake(&mut self, py: Python<'_>, node: u64) -> PyResult<Woken> {
         let inner = &mut self.inner;
         Ok(detached(py, || inner.wake(NodeId::from_u64(node)))?.into())
     }
@@ -597,6 +627,7 @@ fn _pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Inserted>()?;
     m.add_class::<EntryKey>()?;
     m.add_class::<CopyPlan>()?;
+    m.add_class::<Woken>()?;
     m.add_class::<Evicted>()?;
     m.add_class::<Stats>()?;
     let py = m.py();
