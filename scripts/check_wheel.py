@@ -3,16 +3,13 @@
 from pathlib import Path
 
 import kern
+import kern.kernels.paged_attention.reference  # torch comes from the venv
 import kern.pool
 
 where = Path(kern.__file__).resolve()
 assert "site" in where.parts, f"kern imported from {where}, not from the installed wheel"
-assert (where.parent / "_pool.pyi").is_file(), "the wheel lacks the _pool.pyi stub"
-assert (where.parent / "py.typed").is_file(), "the wheel lacks py.typed"
+for shipped in ("_pool.pyi", "py.typed", "kernels/__init__.py", "assets/tiny-qwen3/config.json"):
+    assert (where.parent / shipped).is_file(), f"the wheel lacks {shipped}"
+assert not (where.parent / "kernels").is_symlink(), "kernels shipped as a link"
 kern.pool.Cache(page_tokens=16, page_bytes=4096, device_bytes=1 << 20)
-kernels = where.parent / "kernels"
-if kernels.exists():
-    assert (kernels / "__init__.py").is_file() and not kernels.is_symlink(), (
-        "kernels not shipped whole"
-    )
 print(f"wheel ok: {where.parent}")

@@ -1,0 +1,1 @@
+"""rotary: `reference` (torch only) and `rotary` (Triton) submodules; see README.md."""

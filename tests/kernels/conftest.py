@@ -1,0 +1,54 @@
+"""Kernel tests: every Triton kernel against its torch reference, on the CPU.
+
+Triton reads TRITON_INTERPRET when a kernel module is imported, so it is set here, before
+any test module imports one: the kernels then run on CPU torch tensors.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import kern.kernels  # noqa: F401
+except ImportError:
+    # Not installed yet: use the source tree (python/kern/kernels links to kernels/).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+# Relative error allowed between a kernel and its reference: float32 rounding in fp32;
+# in bf16/fp16 the output rounding (and bf16 operands in tl.dot) dominate.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def relative_error(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """||got - ref|| / ||ref||, in float64."""
+    ref64, got64 = ref.double(), got.double()
+    return ((got64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+
+
+def _assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float) -> None:
+    assert ref.shape == got.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = relative_error(ref, got)
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
+
+
+@pytest.fixture
+def tol():
+    """tol(dtype): the relative error a kernel may have against its reference."""
+    return TOLERANCE.__getitem__
+
+
+@pytest.fixture
+def assert_close():
+    """assert_close(name, ref, got, tol): relative error of one named tensor."""
+    return _assert_close
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
