@@ -1,7 +1,31 @@
 """Stubs for the Rust extension kern._pool (checked by mypy.stubtest in CI)."""
 
-from collections.abc import Buffer
 from typing import final
+
+from typing_extensions import Buffer, disjoint_base
+
+__all__ = [
+    "BudgetTooSmall",
+    "Cache",
+    "CacheCorrupt",
+    "CopyPlan",
+    "EntryKey",
+    "Evicted",
+    "Inserted",
+    "LengthMismatch",
+    "Match",
+    "NoHostTier",
+    "NotAllocated",
+    "NotLocked",
+    "NotU32",
+    "OwnedByCache",
+    "PoolFull",
+    "RepeatedId",
+    "SharedPageExtended",
+    "Stats",
+    "UnknownNode",
+    "Woken",
+]
 
 @final
 class Match:
@@ -58,11 +82,14 @@ class Woken:
     @property
     def keys(self) -> list[EntryKey]: ...
 
+@disjoint_base
 class Evicted:
     @final
     class Parked(Evicted):
         __match_args__ = ("key", "plan", "dropped")
-        def __init__(self, key: EntryKey, plan: CopyPlan, dropped: list[EntryKey]) -> None: ...
+        def __new__(
+            cls, key: EntryKey, plan: CopyPlan, dropped: list[EntryKey]
+        ) -> Evicted.Parked: ...
         @property
         def key(self) -> EntryKey: ...
         @property
@@ -73,7 +100,7 @@ class Evicted:
     @final
     class Dropped(Evicted):
         __match_args__ = ("key", "parked")
-        def __init__(self, key: EntryKey, parked: bool) -> None: ...
+        def __new__(cls, key: EntryKey, parked: bool) -> Evicted.Dropped: ...
         @property
         def key(self) -> EntryKey: ...
         @property
@@ -126,6 +153,7 @@ class Stats:
     @property
     def num_woken(self) -> int: ...
 
+@final
 class Cache:
     """kern's KV cache books: the device pool, the host tier and the prefix tree."""
 

@@ -740,11 +740,21 @@ impl Prefix {
             }
         }
         let key = self.key(i);
+        self.release_device(i, pool);
+        self.remove_node(i);
+        self.stats.num_dropped_resident += 1;
+        out.push(Evicted::Dropped { key, parked: false });
+    }
+
+    /// Give a resident node's device pages and snapshot back to the pool (the node keeps the
+    /// stale ids until the caller replaces or removes it).
+    fn release_device(&mut self, i: u32, pool: &mut Pool) {
         let n = &self.nodes[i as usize];
         let (pages, snapshot) = (n.pages.clone(), n.snapshot);
         for &p in &pages {
             self.owned_pages.set(p, false);
         }
+        // The tree's books say these are allocated; a failure here is corruption, not input.
         let freed = pool.free(Kind::Pages, &pages);
         debug_assert!(freed.is_ok(), "{freed:?}");
         if let Some(s) = snapshot {
@@ -752,9 +762,6 @@ impl Prefix {
             let freed = pool.free(Kind::Slots, &[s]);
             debug_assert!(freed.is_ok(), "{freed:?}");
         }
-        self.remove_node(i);
-        self.stats.num_dropped_resident += 1;
-        out.push(Evicted::Dropped { key, parked: false });
     }
 
     fn park(
@@ -779,18 +786,7 @@ impl Prefix {
                 .into_iter()
                 .collect(),
         };
-        let pages = n.pages.clone();
-        let snapshot = n.snapshot;
-        for &p in &pages {
-            self.owned_pages.set(p, false);
-        }
-        let freed = pool.free(Kind::Pages, &pages);
-        debug_assert!(freed.is_ok(), "{freed:?}");
-        if let Some(s) = snapshot {
-            self.owned_slots.set(s, false);
-            let freed = pool.free(Kind::Slots, &[s]);
-            debug_assert!(freed.is_ok(), "{freed:?}");
-        }
+        self.release_device(i, pool);
         let parent = self.nodes[i as usize].parent;
         self.update(i, |n| {
             n.pages = host_pages.iter().map(|h| h.0).collect();
