@@ -1,0 +1,393 @@
+"""Checkpoint loading: a Hugging Face folder to a config, a tokenizer and named tensors.
+
+Design notes
+------------
+* safetensors only. A pickle (``pytorch_model.bin``, ``*.pt``) runs code when it is loaded, so a
+  folder that has only those is refused with an error that says how to convert it.
+* Every tensor is checked before any is read: names and shapes come from the safetensors
+  headers (``get_slice(...).get_shape()`` reads no data), and are compared with
+  :func:`expected_shapes` for the family. A missing, misshapen or unexpected tensor fails the
+  load in well under a second even for a 100 GB checkpoint, instead of after the data is read
+  or, worse, as a shape error deep inside the first forward pass.
+* Names are the ``*ForCausalLM`` names of transformers (``model.layers.0.self_attn.q_proj.weight``,
+  ``lm_head.weight``). A multimodal Qwen3.5 checkpoint stores its language model under
+  ``model.language_model.``; that prefix is removed, and the vision tower (``model.visual.``)
+  and multi-token-prediction head (``mtp.``) are skipped without being read, as transformers'
+  ``Qwen3_5ForCausalLM`` skips them. Mixture-of-experts weights are the per-expert tensors of
+  the published files (``mlp.experts.3.gate_proj.weight``), not transformers' fused in-memory
+  layout.
+* With tied embeddings there is no ``lm_head.weight`` to require: the runner multiplies by
+  ``model.embed_tokens.weight``. A tied file that carries one anyway is checked and loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kern.config import CheckpointError, MissingFileError, ModelConfig, load_config
+from kern.tokenizer import Tokenizer
+
+__all__ = [
+    "DTYPES",
+    "Checkpoint",
+    "CheckpointError",
+    "MissingShardError",
+    "MissingTensorError",
+    "PickleCheckpointError",
+    "TensorError",
+    "TensorShapeError",
+    "UnexpectedTensorError",
+    "expected_shapes",
+    "load_checkpoint",
+    "parse_dtype",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+# safetensors header dtypes that hold weights kern can cast; integer tensors are quantized
+# formats kern does not read.
+_FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+_INDEX = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class PickleCheckpointError(CheckpointError):
+    """The folder holds only pickled weights, which kern never loads."""
+
+
+class MissingShardError(MissingFileError):
+    """``model.safetensors.index.json`` names a shard file that is not in the folder."""
+
+
+class TensorError(CheckpointError):
+    """A tensor is missing, unexpected, of the wrong shape or of a dtype kern cannot use."""
+
+
+class MissingTensorError(TensorError):
+    pass
+
+
+class UnexpectedTensorError(TensorError):
+    pass
+
+
+class TensorShapeError(TensorError):
+    pass
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """A loaded checkpoint. ``tensors`` maps transformers' ``*ForCausalLM`` names to tensors,
+    already cast to the requested dtype and on the requested device. The runner may keep
+    references to the tensors; nothing here mutates them after loading."""
+
+    path: Path
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.float32`` or one of the names in :data:`DTYPES`; raises ``ValueError``."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported ({', '.join(DTYPES)})")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported ({', '.join(DTYPES)})")
+    return DTYPES[dtype]
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``config`` must hold, with its shape.
+
+    ``lm_head.weight`` is left out when the embeddings are tied (it is optional then).
+    """
+    c = config
+    h, v = c.hidden_size, c.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if c.is_linear_layer(i):
+            shapes.update(_linear_attention(c, p + "linear_attn."))
+        else:
+            shapes.update(_attention(c, p + "self_attn."))
+        if c.is_sparse_layer(i):
+            shapes[p + "mlp.gate.weight"] = (c.num_experts, h)
+            for e in range(c.num_experts):
+                shapes.update(_mlp(h, c.moe_intermediate_size, f"{p}mlp.experts.{e}."))
+        else:
+            shapes.update(_mlp(h, c.intermediate_size, p + "mlp."))
+    return shapes
+
+
+def _attention(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    q_width = c.num_attention_heads * c.head_dim
+    kv_width = c.num_key_value_heads * c.head_dim
+    # Qwen3.5's q_proj emits, per head, head_dim queries followed by head_dim gate logits.
+    q_out = 2 * q_width if c.attn_output_gate else q_width
+    out = {
+        p + "q_proj.weight": (q_out, c.hidden_size),
+        p + "k_proj.weight": (kv_width, c.hidden_size),
+        p + "v_proj.weight": (kv_width, c.hidden_size),
+        p + "o_proj.weight": (c.hidden_size, q_width),
+        p + "q_norm.weight": (c.head_dim,),
+        p + "k_norm.weight": (c.head_dim,),
+    }
+    if c.attention_bias:
+        out[p + "q_proj.bias"] = (q_out,)
+        out[p + "k_proj.bias"] = (kv_width,)
+        out[p + "v_proj.bias"] = (kv_width,)
+        out[p + "o_proj.bias"] = (c.hidden_size,)
+    return out
+
+
+def _linear_attention(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+    value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    nv = c.linear_num_value_heads
+    return {
+        p + "in_proj_qkv.weight": (conv_dim, c.hidden_size),
+        p + "in_proj_z.weight": (value_dim, c.hidden_size),
+        p + "in_proj_b.weight": (nv, c.hidden_size),
+        p + "in_proj_a.weight": (nv, c.hidden_size),
+        p + "conv1d.weight": (conv_dim, 1, c.linear_conv_kernel_dim),
+        p + "dt_bias": (nv,),
+        p + "A_log": (nv,),
+        p + "norm.weight": (c.linear_value_head_dim,),
+        p + "out_proj.weight": (c.hidden_size, value_dim),
+    }
+
+
+def _mlp(hidden: int, inner: int, p: str) -> dict[str, tuple[int, ...]]:
+    return {
+        p + "gate_proj.weight": (inner, hidden),
+        p + "up_proj.weight": (inner, hidden),
+        p + "down_proj.weight": (hidden, inner),
+    }
+
+
+def _canonical_name(config: ModelConfig, name: str) -> str | None:
+    """The name kern uses for a stored tensor, or None for a tensor kern does not read."""
+    if name.endswith(".rotary_emb.inv_freq"):  # a buffer some old exports saved
+        return None
+    if config.model_type == "qwen3_5":
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model.") :]
+        if name.startswith(("model.visual.", "mtp.")):
+            return None
+    return name
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    stored_name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    progress: bool | None = None,
+) -> Checkpoint:
+    """Load a checkpoint folder: ``config.json``, ``*.safetensors``, ``tokenizer.json``.
+
+    Every tensor is validated against :func:`expected_shapes` before any data is read, then
+    cast to ``dtype`` and placed on ``device``. ``progress`` shows a progress bar on stderr;
+    None shows it only when stderr is a terminal.
+
+    Raises :class:`~kern.config.CheckpointError` subclasses naming the file and what was
+    expected: :class:`~kern.config.MissingFileError`, :class:`MissingShardError`,
+    :class:`PickleCheckpointError`, :class:`MissingTensorError`,
+    :class:`UnexpectedTensorError`, :class:`TensorShapeError`, :class:`TensorError`, and those
+    of :func:`~kern.config.load_config`.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise MissingFileError(f"{path}: no such checkpoint folder")
+    dtype = parse_dtype(dtype)
+    config = load_config(path)
+    entries = _index_tensors(path, config)
+    _validate(path, config, entries)
+    tokenizer = Tokenizer.from_dir(path, extra_eos_token_ids=_eos_token_ids(path, config))
+
+    if progress is None:
+        progress = sys.stderr.isatty()
+    by_file: dict[Path, list[tuple[str, _Entry]]] = {}
+    for name, entry in entries.items():
+        by_file.setdefault(entry.file, []).append((name, entry))
+    total_bytes = sum(_num_bytes(e) for e in entries.values())
+    tensors: dict[str, torch.Tensor] = {}
+    with tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        desc=f"loading {path.name}",
+        disable=not progress,
+        file=sys.stderr,
+        leave=False,
+    ) as bar:
+        for file in sorted(by_file):
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for name, entry in by_file[file]:
+                    tensors[name] = f.get_tensor(entry.stored_name).to(dtype)
+                    bar.update(_num_bytes(entry))
+    return Checkpoint(path=path, config=config, tensors=tensors, tokenizer=tokenizer)
+
+
+def _num_bytes(entry: _Entry) -> int:
+    n = _FLOAT_DTYPES[entry.dtype]
+    for d in entry.shape:
+        n *= d
+    return n
+
+
+def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, Path | None]:
+    """The safetensors files to read, and the index's weight map if the folder is sharded."""
+    index_file = path / _INDEX
+    if index_file.is_file():
+        try:
+            index = json.loads(index_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index_file}: not valid JSON: {e}") from e
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise CheckpointError(f"{index_file}: expected a 'weight_map' of tensor name -> file")
+        files = []
+        for shard in sorted(set(weight_map.values())):
+            file = path / shard
+            if Path(shard).name != shard:
+                raise CheckpointError(f"{index_file}: shard {shard!r} is not a file in the folder")
+            if not file.is_file():
+                raise MissingShardError(f"{index_file} names shard {shard!r}, which is missing")
+            files.append(file)
+        return files, weight_map, index_file
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files, None, None
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise PickleCheckpointError(
+            f"{path}: has only pickled weights ({', '.join(pickles)}); kern reads safetensors "
+            "only, because loading a pickle runs arbitrary code. Convert the checkpoint with "
+            "transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT)."
+        )
+    raise MissingFileError(f"{path}: no *.safetensors files (nor {_INDEX})")
+
+
+def _index_tensors(path: Path, config: ModelConfig) -> dict[str, _Entry]:
+    """Name -> where it is stored, from the safetensors headers alone (no data is read)."""
+    files, weight_map, index_file = _weight_files(path)
+    entries: dict[str, _Entry] = {}
+    for file in files:
+        try:
+            f_ctx = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises SafetensorError, a bare Exception subclass
+            raise CheckpointError(f"{file}: not a valid safetensors file: {e}") from e
+        with f_ctx as f:
+            for stored in f.keys():
+                if weight_map is not None and weight_map.get(stored) != file.name:
+                    # The index is the authority on where a tensor lives; a stray copy in
+                    # another shard would otherwise be read depending on file order.
+                    continue
+                name = _canonical_name(config, stored)
+                if name is None:
+                    continue
+                if name in entries:
+                    raise CheckpointError(
+                        f"{file}: tensor {stored!r} is also stored in {entries[name].file.name}"
+                    )
+                view = f.get_slice(stored)
+                entries[name] = _Entry(file, stored, tuple(view.get_shape()), view.get_dtype())
+    if weight_map is not None:
+        found = {e.stored_name for e in entries.values()}
+        for stored, shard in sorted(weight_map.items()):
+            if stored not in found and _canonical_name(config, stored) is not None:
+                raise MissingTensorError(
+                    f"{index_file} says tensor {stored!r} is in {shard}, but it is not there"
+                )
+    return entries
+
+
+def _validate(path: Path, config: ModelConfig, entries: dict[str, _Entry]) -> None:
+    expected = expected_shapes(config)
+    optional: dict[str, tuple[int, ...]] = {}
+    if config.tie_word_embeddings:
+        optional["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    where = f"{path} ({config.model_type}, {config.num_hidden_layers} layers)"
+
+    missing = sorted(set(expected) - set(entries))
+    if missing:
+        raise MissingTensorError(
+            f"{where}: {len(missing)} tensor(s) missing, e.g. {_names(missing)}; "
+            f"expected shape of {missing[0]!r}: {list(expected[missing[0]])}"
+        )
+    unexpected = sorted(set(entries) - set(expected) - set(optional))
+    if unexpected:
+        first = entries[unexpected[0]]
+        raise UnexpectedTensorError(
+            f"{where}: {len(unexpected)} tensor(s) that config.json does not describe, e.g. "
+            f"{_names(unexpected)} (in {first.file.name}); is config.json for these weights?"
+        )
+    for name, entry in sorted(entries.items()):
+        want = expected.get(name, optional.get(name))
+        if entry.shape != want:
+            raise TensorShapeError(
+                f"{entry.file}: tensor {entry.stored_name!r} has shape {list(entry.shape)}, "
+                f"expected {list(want)} from config.json"
+            )
+        if entry.dtype not in _FLOAT_DTYPES:
+            raise TensorError(
+                f"{entry.file}: tensor {entry.stored_name!r} has dtype {entry.dtype}; kern "
+                f"loads floating-point weights only ({', '.join(_FLOAT_DTYPES)})"
+            )
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _eos_token_ids(path: Path, config: ModelConfig) -> list[int]:
+    """End-of-sequence ids from config.json and generation_config.json (optional)."""
+    ids = list(config.eos_token_ids)
+    file = path / "generation_config.json"
+    if file.is_file():
+        try:
+            gen: Any = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{file}: not valid JSON: {e}") from e
+        value = gen.get("eos_token_id") if isinstance(gen, dict) else None
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise CheckpointError(f"{file}: field 'eos_token_id' must hold token ids")
+        ids.extend(values)
+    return ids

@@ -1,0 +1,299 @@
+"""Tokenizer: a checkpoint's ``tokenizer.json`` (the ``tokenizers`` package) and its chat template.
+
+Design notes
+------------
+* Encoding never adds special tokens by default. The Qwen families have no BOS and no
+  post-processor, and a chat prompt already carries every special token it needs as text
+  (``<|im_start|>`` is matched as an added token wherever it appears), so adding them again
+  would only double a BOS on families that have one. ``add_special_tokens=True`` runs the
+  tokenizer's post-processor for callers that want it.
+* The chat template is rendered the way ``transformers`` renders it, so a prompt kern builds is
+  the prompt the model was trained on: a sandboxed (immutable) jinja2 environment with
+  ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter
+  that keeps non-ASCII text, and the globals templates call (``raise_exception``,
+  ``strftime_now``). ``bos_token``/``eos_token`` and the other special tokens are passed as
+  strings. The template comes from ``chat_template.jinja`` (transformers 5 writes it there) or
+  else ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named templates of
+  which ``default`` is used).
+* End-of-sequence ids are the union of the tokenizer's ``eos_token`` and what the model's
+  ``config.json``/``generation_config.json`` list (Qwen instruct models stop on both
+  ``<|im_end|>`` and ``<|endoftext|>``); the checkpoint loader passes the latter in.
+* The tokenizer normalizes (Qwen's is NFC), so ``decode(encode(s))`` is ``s`` normalized, not
+  always ``s`` itself; an answer's text need not tokenize back to its ids either.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
+
+from kern.config import CheckpointError, MissingFileError
+
+__all__ = ["ChatTemplateError", "TextStream", "Tokenizer"]
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, does not compile, or refused the messages.
+
+    A server answers it with a 400: it is the request (or the checkpoint) that is wrong.
+    """
+
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint, plus its chat template.
+
+    Immutable after construction and safe to share between threads (the ``tokenizers``
+    backend releases the GIL and holds no per-call state).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+        source: str = "tokenizer",
+    ) -> None:
+        self._tok = backend
+        self._source = source
+        self._special_tokens = dict(special_tokens or {})
+        self._chat_template_source = chat_template
+        self._chat_template = None
+        if chat_template is not None:
+            try:
+                self._chat_template = _environment().from_string(chat_template)
+            except TemplateError as e:
+                raise ChatTemplateError(f"{source}: chat template does not compile: {e}") from e
+        ids: list[int] = []
+        eos = self._special_tokens.get("eos_token")
+        if eos is not None:
+            eos_id = backend.token_to_id(eos)
+            if eos_id is None:
+                raise CheckpointError(f"{source}: eos_token {eos!r} is not in the vocabulary")
+            ids.append(eos_id)
+        ids.extend(extra_eos_token_ids)
+        self._eos_token_ids = tuple(dict.fromkeys(ids))
+        bos = self._special_tokens.get("bos_token")
+        self._bos_token_id = backend.token_to_id(bos) if bos is not None else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path, *, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """Load a folder's ``tokenizer.json`` (required) and ``tokenizer_config.json`` (optional).
+
+        Raises :class:`~kern.config.MissingFileError` without ``tokenizer.json`` and
+        :class:`~kern.config.CheckpointError` for a file that does not parse.
+        """
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise MissingFileError(
+                f"{file}: no such file (kern reads tokenizers from tokenizer.json)"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise CheckpointError(f"{file}: not a valid tokenizers file: {e}") from e
+        config: dict[str, Any] = {}
+        config_file = path / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{config_file}: not valid JSON: {e}") from e
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{config_file}: expected a JSON object")
+        special: dict[str, str] = {}
+        for key in _SPECIAL_KEYS:
+            value = config.get(key)
+            if isinstance(value, dict):  # a serialized AddedToken
+                value = value.get("content")
+            if value is not None and not isinstance(value, str):
+                raise CheckpointError(f"{config_file}: field {key!r} must be a string")
+            if value is not None:
+                special[key] = value
+        template = _read_template(path, config, config_file)
+        return cls(
+            backend,
+            chat_template=template,
+            special_tokens=special,
+            extra_eos_token_ids=extra_eos_token_ids,
+            source=str(path),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included.
+
+        A model's ``vocab_size`` can be larger (embedding rows padded for alignment); ids
+        between the two have no text.
+        """
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end a generation, the tokenizer's ``eos_token`` first."""
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """``bos_token``/``eos_token``/``pad_token``/``unk_token`` strings that are set."""
+        return dict(self._special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template's source text, or None."""
+        return self._chat_template_source
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers.Tokenizer`` underneath (shared: do not mutate it)."""
+        return self._tok
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special-token strings in it become their ids."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``. Ids without a token (padding rows of the embedding) add nothing.
+
+        Raises ``ValueError`` for a negative id.
+        """
+        ids = list(ids)
+        for i in ids:
+            if i < 0:
+                raise ValueError(f"token id {i} is negative")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def stream(self, *, skip_special_tokens: bool = False) -> TextStream:
+        """A fresh incremental decoder for one sequence (see :class:`TextStream`)."""
+        return TextStream(self._tok, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render ``messages`` with the chat template; returns the prompt text (not ids).
+
+        ``template_kwargs`` are passed to the template as variables (``tools``,
+        ``enable_thinking``, ...). Raises :class:`ChatTemplateError` when there is no template,
+        when the messages are not a list of objects with a string ``role``, or when the
+        template refuses them (``raise_exception``) or fails.
+        """
+        if self._chat_template is None:
+            raise ChatTemplateError(
+                f"{self._source}: no chat template (neither chat_template.jinja nor "
+                "tokenizer_config.json's chat_template)"
+            )
+        if not isinstance(messages, list):
+            raise ChatTemplateError("messages must be a list")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ChatTemplateError(f"messages[{i}] must be an object with a string 'role'")
+        variables: dict[str, Any] = {key: None for key in _SPECIAL_KEYS}
+        variables.update(self._special_tokens)
+        variables.update(template_kwargs)
+        variables["messages"] = messages
+        variables["add_generation_prompt"] = add_generation_prompt
+        try:
+            return self._chat_template.render(**variables)
+        except ChatTemplateError:
+            raise
+        except Exception as e:
+            # A template is code run over client data: a TypeError from `None + str` is as
+            # much the messages' fault as an explicit raise_exception, and must not be a 500.
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+
+class TextStream:
+    """Incremental detokenization of one sequence, for streaming answers.
+
+    ``step(id)`` returns the text that id completes: "" while the id ends inside a multi-byte
+    character (byte-level BPE splits them), the whole character once it is complete. The
+    concatenation of every ``step`` equals ``decode`` of all ids. Mutable; one per sequence.
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, skip_special_tokens: bool) -> None:
+        self._tok = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        if token_id < 0:
+            raise ValueError(f"token id {token_id} is negative")
+        return self._stream.step(self._tok, token_id) or ""
+
+
+def _read_template(path: Path, config: dict[str, Any], config_file: Path) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+        raise CheckpointError(f"{config_file}: chat_template list has no 'default' template")
+    raise CheckpointError(f"{config_file}: field 'chat_template' must be a string or a list")
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template refused the messages: {message}")
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja2's own tojson escapes HTML characters and ASCII-fies text; templates written for
+    # transformers expect plain json.dumps output.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env

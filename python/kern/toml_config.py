@@ -1,0 +1,199 @@
+"""kern.toml: named targets, each a checkpoint and how to serve it.
+
+```toml
+[targets.tiny]
+checkpoint = "models/tiny-qwen3"   # relative to this file
+dtype = "float32"                  # default: float32 on cpu, bfloat16 on cuda
+device = "cpu"
+pool_bytes = "1GiB"                # device budget for KV pages and states
+host_bytes = "4GiB"                # host tier for parked cache entries; 0 = none
+page_tokens = 16
+rows = [1, 4]                      # decode row shapes; kern run uses the widest
+draft = "ngram"                    # or a draft checkpoint folder
+ranks = 1
+threads = 2                        # torch intra-op threads (CPU results depend on it)
+```
+
+Unknown keys and unknown target names are errors naming the key (or target) and the file: a
+misspelt ``page_token = 32`` silently ignored would serve with 16 and nobody would know.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_THREADS", "KernConfig", "Target", "TomlConfigError", "load_toml_config"]
+
+# Torch intra-op threads when neither the target nor the command line names a count. Fixed
+# rather than os.cpu_count(): CPU float32 results differ between 1 and 2 threads (FACTS.md), so
+# the same command must not give different bits on a machine with more cores.
+DEFAULT_THREADS = 2
+
+_DEVICES = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_DTYPES = ("float32", "bfloat16", "float16")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_TARGET_KEYS = (
+    "checkpoint",
+    "dtype",
+    "device",
+    "pool_bytes",
+    "host_bytes",
+    "page_tokens",
+    "rows",
+    "draft",
+    "ranks",
+    "threads",
+)
+
+
+class TomlConfigError(ValueError):
+    """kern.toml is malformed, has an unknown key, or names an unknown target."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One ``[targets.NAME]`` table, with defaults filled and paths resolved."""
+
+    name: str
+    checkpoint: Path
+    dtype: str = "float32"
+    device: str = "cpu"
+    # None: the server sizes the pool from the device's free memory.
+    pool_bytes: int | None = None
+    host_bytes: int = 0
+    page_tokens: int = 16
+    # Row shapes a decode step may verify (1 = plain decoding), ascending.
+    rows: tuple[int, ...] = (1,)
+    # "ngram" for n-gram lookup in the context, or a draft checkpoint folder, or None.
+    draft: str | None = None
+    ranks: int = 1
+    threads: int = DEFAULT_THREADS
+
+    @property
+    def widest_rows(self) -> int:
+        return self.rows[-1]
+
+
+@dataclass(frozen=True)
+class KernConfig:
+    path: Path
+    targets: dict[str, Target]
+
+    def target(self, name: str) -> Target:
+        """The target called ``name``; raises :class:`TomlConfigError` naming the known ones."""
+        try:
+            return self.targets[name]
+        except KeyError:
+            known = ", ".join(sorted(self.targets)) or "none"
+            raise TomlConfigError(f"{self.path}: no target {name!r} (targets: {known})") from None
+
+
+def load_toml_config(path: str | Path) -> KernConfig:
+    """Parse kern.toml. Raises :class:`TomlConfigError` (and ``FileNotFoundError``)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise
+    except tomllib.TOMLDecodeError as e:
+        raise TomlConfigError(f"{path}: not valid TOML: {e}") from e
+    for key in data:
+        if key != "targets":
+            raise TomlConfigError(f"{path}: unknown key {key!r} (expected [targets.NAME] tables)")
+    tables = data.get("targets", {})
+    if not isinstance(tables, dict):
+        raise TomlConfigError(f"{path}: 'targets' must be tables ([targets.NAME])")
+    targets = {}
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            raise TomlConfigError(f"{path}: targets.{name} must be a table")
+        targets[name] = _target(path, name, table)
+    return KernConfig(path=path, targets=targets)
+
+
+def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
+    where = f"{path}: targets.{name}"
+    for key in table:
+        if key not in _TARGET_KEYS:
+            raise TomlConfigError(
+                f"{where}: unknown key {key!r} (known: {', '.join(_TARGET_KEYS)})"
+            )
+    if "checkpoint" not in table:
+        raise TomlConfigError(f"{where}: missing key 'checkpoint'")
+    checkpoint = _str(table, "checkpoint", where)
+    device = _str(table, "device", where, "cpu")
+    if not _DEVICES.match(device):
+        raise TomlConfigError(f"{where}.device: {device!r} is not 'cpu', 'cuda' or 'cuda:N'")
+    dtype = _str(table, "dtype", where, "float32" if device == "cpu" else "bfloat16")
+    if dtype not in _DTYPES:
+        raise TomlConfigError(f"{where}.dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
+    rows_value = table.get("rows", [1])
+    rows_list = rows_value if isinstance(rows_value, list) else [rows_value]
+    if not rows_list or not all(_is_pos_int(r) for r in rows_list):
+        raise TomlConfigError(f"{where}.rows: expected a positive integer or a list of them")
+    draft = table.get("draft")
+    if draft is not None and not isinstance(draft, str):
+        raise TomlConfigError(f"{where}.draft: expected 'ngram' or a checkpoint path")
+    if draft is not None and draft != "ngram":
+        draft = str((path.parent / draft).resolve())
+    pool = table.get("pool_bytes")
+    return Target(
+        name=name,
+        # Relative paths are relative to the file, so a config works from any directory.
+        checkpoint=(path.parent / checkpoint).resolve(),
+        dtype=dtype,
+        device=device,
+        pool_bytes=None if pool is None else _bytes(pool, f"{where}.pool_bytes", minimum=1),
+        host_bytes=_bytes(table.get("host_bytes", 0), f"{where}.host_bytes", minimum=0),
+        page_tokens=_pos_int(table, "page_tokens", where, 16),
+        rows=tuple(sorted(set(rows_list))),
+        draft=draft,
+        ranks=_pos_int(table, "ranks", where, 1),
+        threads=_pos_int(table, "threads", where, DEFAULT_THREADS),
+    )
+
+
+def _is_pos_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _pos_int(table: dict[str, Any], key: str, where: str, default: int) -> int:
+    value = table.get(key, default)
+    if not _is_pos_int(value):
+        raise TomlConfigError(f"{where}.{key}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _str(table: dict[str, Any], key: str, where: str, default: str | None = None) -> str:
+    value = table.get(key, default)
+    if not isinstance(value, str):
+        raise TomlConfigError(f"{where}.{key}: expected a string, got {value!r}")
+    return value
+
+
+def _bytes(value: Any, where: str, *, minimum: int) -> int:
+    """An integer byte count, or a string with a unit: "512MiB", "1.5GB"."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+    else:
+        raise TomlConfigError(f"{where}: expected bytes (an integer or e.g. '4GiB'), got {value!r}")
+    if n < minimum:
+        raise TomlConfigError(f"{where}: must be at least {minimum}, got {value!r}")
+    return n
