@@ -1,0 +1,150 @@
+"""The offline run behind ``kern run``: prefill a prompt, then decode, through the same
+Runner and paged path the server uses, so a served answer can be compared to it byte for byte.
+
+Design notes
+------------
+* One sequence in a Runner of its own: the prompt is prefilled in one chunk, then each step
+  is one decode chunk (``rows == 1``) or one verify chunk of ``1 + drafts`` rows
+  (``rows > 1``), drafts from n-gram lookup in the context (:class:`NgramDrafter`).
+* Verification keeps identity with ``rows == 1``: row j of a verify chunk yields the token
+  plain decoding would pick at that position (same context, the sampler's draw index is the
+  token's index), and drafts are accepted while they equal those tokens. The first mismatch
+  is replaced by the verified token, so each step adds 1 to ``rows`` tokens. Rejected drafts'
+  K/V are overwritten when the sequence reaches their positions again; a recurrent state is
+  rewound with ``Runner.keep_rows``. Identity is bitwise wherever the backend's forward is
+  invariant to rows and chunking (the CPU backend, see docs/invariance.md).
+* ``threads`` pins torch's intra-op thread count: float32 results differ between 1 and 2
+  threads on this CPU (FACTS.md), so ``kern run`` and the server must run with the same count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kern.batch import SeqChunk
+from kern.checkpoint import Checkpoint
+from kern.runner import Runner
+from kern.sampler import SamplingParams, sample
+
+__all__ = ["GenerateResult", "NgramDrafter", "generate"]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """ids: the generated tokens (not the prompt). probes: for each requested step s, the
+    top-k logits (float32, descending) and their token ids of the distribution token s was
+    drawn from."""
+
+    ids: list[int]
+    probes: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+
+class NgramDrafter:
+    """Drafts from the context itself: the tokens that followed the most recent earlier
+    occurrence of the context's last n tokens (n = max_n down to 1). O(max_n) per token."""
+
+    def __init__(self, tokens: Sequence[int] = (), max_n: int = 3) -> None:
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        # n-gram -> start of the tokens that followed its latest occurrence
+        self._next: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.tokens.append(t)
+            end = len(self.tokens) - 1  # the new token continues n-grams ending before it
+            for n in range(1, self.max_n + 1):
+                if end >= n:
+                    self._next[tuple(self.tokens[end - n : end])] = end
+
+    def draft(self, k: int) -> list[int]:
+        """Up to ``k`` proposed next tokens (possibly none)."""
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, len(self.tokens)), 0, -1):
+            start = self._next.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.tokens[start : start + k]
+        return []
+
+
+def generate(
+    checkpoint: Checkpoint,
+    prompt_ids: list[int],
+    steps: int,
+    *,
+    rows: int = 1,
+    sampling: SamplingParams | None = None,
+    probe_steps: list[int] | None = None,
+    probe_k: int = 20,
+    page_tokens: int = 16,
+    threads: int | None = None,
+    device: str = "cpu",
+) -> GenerateResult:
+    """Generate ``steps`` tokens after ``prompt_ids`` (greedy unless ``sampling`` says
+    otherwise), verifying up to ``rows - 1`` drafted tokens per step, on ``device`` (the
+    checkpoint's tensors are moved there by the runner).
+
+    Raises ``ValueError`` for an empty prompt, ``steps < 0`` or ``rows < 1``.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty")
+    if steps < 0 or rows < 1:
+        raise ValueError("steps must be >= 0 and rows >= 1")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    params = sampling or SamplingParams()
+    probe_at = set(probe_steps or ())
+    probes: dict[int, tuple[Tensor, Tensor]] = {}
+    total = len(prompt_ids) + steps + rows
+    runner = Runner(
+        checkpoint,
+        num_pages=-(-total // page_tokens),
+        page_tokens=page_tokens,
+        num_slots=1,
+        device=device,
+    )
+    table = list(range(runner.num_pages))
+    out: list[int] = []
+    if steps == 0:
+        return GenerateResult(out, probes)
+
+    def pick(logits: Tensor, first: int) -> list[int]:
+        n = logits.shape[0]
+        toks = sample(logits, [params] * n, list(range(first, first + n))).tolist()
+        for j in range(n):
+            if first + j in probe_at:
+                k = min(probe_k, logits.shape[1])
+                values, ids = torch.topk(logits[j], k)
+                probes[first + j] = (values.float().cpu(), ids.cpu())
+        return toks
+
+    logits = runner.forward([SeqChunk(prompt_ids, 0, table, slot=0, logits="last")])
+    out.extend(pick(logits, 0))
+    drafter = NgramDrafter(prompt_ids)
+    drafter.extend(out)
+    pos = len(prompt_ids)  # tokens in the KV; out[-1] is not yet
+    while len(out) < steps:
+        drafts = drafter.draft(min(rows - 1, steps - len(out) - 1))
+        chunk = [out[-1], *drafts]
+        mode = "all" if rows > 1 else "last"
+        logits = runner.forward([SeqChunk(chunk, pos, table, slot=0, logits=mode)])
+        # Rows past the first mismatch saw a wrong context; their probes must not count.
+        verified = pick(logits, len(out))
+        accepted = 1
+        while accepted < len(chunk) and chunk[accepted] == verified[accepted - 1]:
+            accepted += 1
+        for key in [s for s in probes if s >= len(out) + accepted]:
+            del probes[key]
+        if rows > 1 and runner.stateful:
+            runner.keep_rows(0, accepted)
+        new = verified[:accepted]
+        out.extend(new)
+        drafter.extend(new)
+        pos += accepted
+    return GenerateResult(out[:steps], probes)

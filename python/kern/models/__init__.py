@@ -1,0 +1,23 @@
+"""Model families: plain-tensor implementations of transformers' ``*ForCausalLM``."""
+
+from __future__ import annotations
+
+from kern.config import ModelConfig
+from kern.models.layers import Caches, DecoderModel, Tensors
+from kern.models.ops import Ops
+from kern.models.qwen3 import Qwen3
+from kern.models.qwen3_5 import Qwen3_5
+from kern.models.qwen3_moe import Qwen3Moe
+
+__all__ = ["Caches", "DecoderModel", "build_model"]
+
+_FAMILIES = {"qwen3": Qwen3, "qwen3_moe": Qwen3Moe, "qwen3_5": Qwen3_5}
+
+
+def build_model(ops: Ops, config: ModelConfig, tensors: Tensors) -> DecoderModel:
+    """The family's model over ``tensors`` (transformers' names), prepared for ``ops``."""
+    try:
+        family = _FAMILIES[config.model_type]
+    except KeyError:
+        raise ValueError(f"no model for family {config.model_type!r}") from None
+    return family(ops, config, tensors)

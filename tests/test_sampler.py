@@ -1,0 +1,97 @@
+"""The sampler: greedy, seeded sampling, filters, and independence from the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kern.sampler import SamplingParams, sample
+
+
+def logits(n: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_first_on_ties():
+    x = logits(6)
+    x[2, 7] = x[2, 9] = x[2].max() + 1
+    out = sample(x, [SamplingParams()] * 6, range(6))
+    assert out.dtype == torch.int64
+    assert out.tolist() == x.argmax(-1).tolist()
+    assert out[2] == 7
+
+
+def test_seeded_draws_repeat_and_ignore_the_batch():
+    x = logits(8)
+    p = SamplingParams(temperature=1.0, top_p=0.95, top_k=20, seed=11)
+    alone = [int(sample(x[i : i + 1], [p], [i])[0]) for i in range(8)]
+    others = [SamplingParams(temperature=0.7, seed=s) for s in range(8)]
+    for i in range(8):
+        mixed = others[:i] + [p] + others[i + 1 :]
+        assert int(sample(x, mixed, list(range(8)))[i]) == alone[i]
+    assert sample(x, [p] * 8, range(8)).tolist() == alone
+
+
+def test_draw_index_and_seed_matter():
+    x = logits(1, vocab=1000).repeat(64, 1)
+    p = SamplingParams(temperature=2.0, seed=5)
+    by_draw = sample(x, [p] * 64, range(64))
+    assert len(set(by_draw.tolist())) > 10
+    q = SamplingParams(temperature=2.0, seed=6)
+    assert sample(x, [q] * 64, range(64)).tolist() != by_draw.tolist()
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        SamplingParams(temperature=1.0, top_k=1, seed=1),
+        SamplingParams(temperature=1.0, top_p=1e-6, seed=1),
+    ],
+)
+def test_narrow_filters_are_greedy(p):
+    x = logits(16)
+    assert sample(x, [p] * 16, range(16)).tolist() == x.argmax(-1).tolist()
+
+
+@given(st.integers(1, 10), st.floats(0.05, 1.0), st.integers(0, 1000))
+@settings(max_examples=60, deadline=None)
+def test_filters_keep_tokens_inside_the_allowed_set(top_k, top_p, seed):
+    x = logits(1, vocab=30, seed=seed)[0]
+    p = SamplingParams(temperature=1.3, top_k=top_k, top_p=top_p, seed=seed)
+    token = int(sample(x[None], [p], [seed])[0])
+    probs = torch.softmax(x.double() / 1.3, 0)
+    ranked = torch.argsort(-probs, stable=True)[:top_k]
+    kept = probs[ranked] / probs[ranked].sum()
+    before = torch.cumsum(kept, 0) - kept
+    allowed = ranked[: max(int((before < top_p).sum()), 1)].tolist()
+    assert token in allowed
+
+
+def test_distribution_follows_the_softmax():
+    x = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    p = SamplingParams(temperature=1.0, seed=3)
+    n = 4000
+    draws = sample(x.repeat(n, 1), [p] * n, range(n))
+    freq = torch.bincount(draws, minlength=4).double() / n
+    torch.testing.assert_close(freq, torch.softmax(x[0].double(), 0), atol=0.03, rtol=0)
+
+
+def test_unseeded_sampling_works():
+    x = logits(4)
+    out = sample(x, [SamplingParams(temperature=1.0)] * 4, range(4))
+    assert out.shape == (4,)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)]
+)
+def test_bad_params(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_needs_params_per_row():
+    with pytest.raises(ValueError):
+        sample(logits(2), [SamplingParams()], [0, 1])
