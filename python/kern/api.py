@@ -1,0 +1,398 @@
+"""Request and response bodies of the OpenAI-compatible API, as msgspec Structs.
+
+Design notes
+------------
+* Every body is a Struct: msgspec checks types and ``Meta`` bounds while it parses, so a bad
+  body costs one pass and no dict is built. Cross-field rules (``max_tokens`` against
+  ``max_completion_tokens``, ``top_logprobs`` without ``logprobs``) live in ``__post_init__``;
+  a ``ValueError`` raised there surfaces as a ``msgspec.ValidationError`` like any other.
+* One ``Decoder`` and one ``Encoder`` per type, built once at import (``decode`` below).
+* Errors take OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``. msgspec ends
+  a validation message with `` - at `$.field` ``: that path is the ``param``; a missing field
+  is named inside the message instead (``Object missing required field `model` ``).
+* Unknown request fields are ignored, as OpenAI does: clients send fields kern does not use
+  (``user``, ``presence_penalty`` at 0) and must not be refused for it.
+* Responses leave out ``None`` fields (``omit_defaults``) except where OpenAI clients expect
+  the key (``logprobs``, ``finish_reason`` in a stream chunk), which are plain fields.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct
+
+__all__ = [
+    "ApiError",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "TokenizeRequest",
+    "decode",
+    "encode",
+    "error_body",
+    "openapi",
+]
+
+# Bounds that keep a request from asking for the impossible before the scheduler sees it. The
+# scheduler checks the real limits (the pool and the model's context) and names them.
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP = 8
+
+PositiveInt = Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)]
+TokenId = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, Meta(ge=-1)]
+N = Annotated[int, Meta(ge=1, le=MAX_N)]
+Seed = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+
+
+class StreamOptions(Struct, forbid_unknown_fields=False):
+    include_usage: bool = False
+
+
+class _Sampling(Struct, kw_only=True):
+    """Parameters shared by completions and chat completions."""
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    # -1 and 0 both disable top-k (vLLM's spelling and kern's).
+    top_k: TopK = 0
+    seed: Seed | None = None
+    stop: str | Annotated[list[str], Meta(max_length=MAX_STOP)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    n: N = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # A kern (and vLLM) extension: each choice carries the ids it produced, so a client can
+    # send the next turn as ids (an answer's text need not tokenize back to its ids).
+    return_token_ids: bool = False
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = 16
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt, str) and not self.prompt:
+            raise ValueError("prompt is empty - at `$.prompt`")
+        if self.echo:
+            raise ValueError("echo is not supported - at `$.echo`")
+
+
+class TextPart(Struct, kw_only=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=False):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true - at `$.top_logprobs`")
+        if (
+            self.max_completion_tokens is not None
+            and self.max_tokens is not None
+            and self.max_completion_tokens != self.max_tokens
+        ):
+            raise ValueError(
+                "max_tokens and max_completion_tokens disagree - at `$.max_completion_tokens`"
+            )
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    model: str | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages - at `$.prompt`")
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct, omit_defaults=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(Struct, omit_defaults=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct, omit_defaults=True):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str = "kern"
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+class ErrorBody(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct):
+    error: ErrorBody
+
+
+# --- decoding and errors ----------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+
+
+T = TypeVar("T")
+_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
+    t: msgspec.json.Decoder(t)
+    for t in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+}
+_ENCODER = msgspec.json.Encoder()
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_FIELD = re.compile(r"required field `([^`]+)`")
+
+
+def decode(body: bytes, type_: type[T]) -> T:
+    """Parse and validate ``body`` as ``type_``; raises :class:`ApiError` (400) naming the
+    field when it can."""
+    try:
+        return _DECODERS[type_].decode(body)
+    except msgspec.ValidationError as e:
+        raise _validation_error(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+
+
+def _validation_error(message: str) -> ApiError:
+    param = None
+    m = _AT.search(message)
+    if m:
+        param = m.group(1) or None
+        message = message[: m.start()] + f" (at {param})" if param else message[: m.start()]
+    else:
+        f = _FIELD.search(message)
+        if f:
+            param = f.group(1)
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def encode(value: Any) -> bytes:
+    return _ENCODER.encode(value)
+
+
+def error_body(e: ApiError) -> bytes:
+    return _ENCODER.encode(ErrorResponse(ErrorBody(e.message, e.type, e.param, e.code)))
+
+
+_ROUTES: list[tuple[str, str, type | None, type]] = [
+    ("/v1/completions", "post", CompletionRequest, CompletionResponse),
+    ("/v1/chat/completions", "post", ChatCompletionRequest, ChatCompletionResponse),
+    ("/v1/models", "get", None, ModelList),
+    ("/tokenize", "post", TokenizeRequest, TokenizeResponse),
+    ("/detokenize", "post", DetokenizeRequest, DetokenizeResponse),
+]
+
+
+def openapi() -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the routes, its schemas generated from the Structs."""
+    types = [t for _, _, req, resp in _ROUTES for t in (req, resp) if t is not None]
+    types += [ChatCompletionChunk, ErrorResponse]
+    (refs, components) = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}"
+    )
+    ref = dict(zip(types, refs, strict=True))
+    err = {"content": {"application/json": {"schema": ref[ErrorResponse]}}}
+    paths: dict[str, Any] = {}
+    for path, method, req, resp in _ROUTES:
+        op: dict[str, Any] = {
+            "responses": {
+                "200": {"content": {"application/json": {"schema": ref[resp]}}},
+                "400": err,
+                "401": err,
+            }
+        }
+        if req is not None:
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": ref[req]}},
+            }
+        paths[path] = {method: op}
+    for path in ("/health", "/metrics"):
+        paths[path] = {"get": {"responses": {"200": {"description": "plain text"}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kern", "version": "0.1.0"},
+        "paths": paths,
+        "components": {"schemas": components},
+    }

@@ -1,0 +1,643 @@
+"""``kern.app:app``: the OpenAI-compatible HTTP API as a raw ASGI application.
+
+Design notes
+------------
+* No web framework: a dict of routes, msgspec for every body (kern.api), and the scheduler
+  behind a queue. The app tokenizes, validates against the limits, and turns the scheduler's
+  token events into text; the scheduler only ever sees ints.
+* Configuration comes from the environment so ``hypercorn kern.app:app`` works as well as
+  ``kern serve`` (which sets the same variables): ``KERN_CONFIG`` + ``KERN_TARGET`` name a
+  kern.toml target, else the embedded tiny model is served; ``KERN_API_KEY`` guards every
+  route but ``/health``; ``KERN_MAX_BODY_BYTES`` bounds a request body.
+* Hang-ups: hypercorn speaks ASGI 2.1 and its ``send()`` keeps succeeding after a client has
+  gone (FACTS.md). So every generating handler runs a watcher on ``receive()`` beside it; on
+  ``http.disconnect`` it aborts the request's sequences (the scheduler frees them at its next
+  step) and wakes the handler, queued or streaming alike.
+* Events cross from the scheduler thread once per step (``call_soon_threadsafe``), and a
+  handler drains everything queued before it writes, so a busy stream sends a few tokens per
+  write instead of one write per token.
+* Stop strings are the app's: the text is matched as it is detokenized, the request is aborted
+  the moment one appears, and the choice ends with ``stop``; text that may begin a stop
+  string is held back until it cannot.
+* A crash of the scheduler thread ends every open request with ``abort``, prints the error and
+  exits the process with code 101 (after a moment, so those ends reach the clients).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kern import api
+from kern.api import ApiError
+from kern.sampler import SamplingParams
+from kern.scheduler import Event, LimitError, Request, Scheduler, build
+
+__all__ = ["App", "app"]
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+CRASH_EXIT_CODE = 101
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_DONE = b"data: [DONE]\n\n"
+_HANGUP = object()  # queued for a handler whose client disconnected
+
+
+class _Disconnected(Exception):
+    pass
+
+
+@dataclass
+class _Choice:
+    """The text side of one sequence: detokenizer, stop strings and what was produced."""
+
+    index: int
+    stream: Any
+    stops: list[str]
+    hold: int
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    pending: str = ""
+    finish: str | None = None
+    done: bool = False  # the scheduler's final event arrived
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+
+    def feed(self, token: int) -> tuple[str, bool]:
+        """The text ``token`` releases, and whether a stop string ended the choice."""
+        self.ids.append(token)
+        buf = self.pending + self.stream.step(token)
+        if not self.stops:
+            self.pending = ""
+            return buf, False
+        cut = min((i for s in self.stops if (i := buf.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self.pending = ""
+            return buf[:cut], True
+        keep = min(self.hold, len(buf))
+        self.pending = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class App:
+    """The ASGI application. Loads the model at lifespan startup."""
+
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
+        self.tokenizer: Any = None
+        self.model_name = "kern"
+        self.vocab_size = 0
+        self.max_model_len = 0
+        self.created = int(time.time())
+        self.api_key: bytes | None = None
+        self.max_body = DEFAULT_MAX_BODY_BYTES
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._routes: dict[str, tuple[str, Callable[..., Awaitable[None]]]] = {
+            "/v1/completions": ("POST", self._completions),
+            "/v1/chat/completions": ("POST", self._chat),
+            "/v1/models": ("GET", self._models),
+            "/tokenize": ("POST", self._tokenize),
+            "/detokenize": ("POST", self._detokenize),
+            "/health": ("GET", self._health),
+            "/metrics": ("GET", self._metrics),
+            "/openapi.json": ("GET", self._openapi),
+        }
+
+    # --- ASGI -------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await asyncio.to_thread(self._load)
+                    self.loop = asyncio.get_running_loop()
+                    assert self.scheduler is not None
+                    self.scheduler.start()
+                except Exception as e:
+                    traceback.print_exc()
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.scheduler is not None:
+                    await asyncio.to_thread(self.scheduler.stop)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _load(self) -> None:
+        from kern.tiny import default_model_path
+        from kern.toml_config import Target, load_toml_config
+
+        config, name = os.environ.get("KERN_CONFIG"), os.environ.get("KERN_TARGET")
+        if config:
+            if not name:
+                raise ValueError("KERN_CONFIG needs KERN_TARGET")
+            target = load_toml_config(config).target(name)
+        else:
+            if name:
+                raise ValueError("KERN_TARGET needs KERN_CONFIG")
+            path = default_model_path()
+            target = Target(name=Path(path).name, checkpoint=Path(path).resolve())
+        key = os.environ.get("KERN_API_KEY")
+        self.api_key = key.encode() if key else None
+        self.max_body = int(os.environ.get("KERN_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES))
+        ckpt, runner, cache = build(target)
+        crash_after = os.environ.get("KERN_TEST_CRASH_AFTER_STEPS")
+        if crash_after:
+            _fail_after(runner, int(crash_after))
+        self.model_name = target.name
+        self.tokenizer = ckpt.tokenizer
+        self.vocab_size = ckpt.config.vocab_size
+        self.max_model_len = ckpt.config.max_position_embeddings
+        self.scheduler = Scheduler(
+            runner,
+            cache,
+            eos_token_ids=ckpt.tokenizer.eos_token_ids,
+            max_model_len=self.max_model_len,
+            deliver=self._deliver,
+            on_crash=self._crashed,
+        )
+
+    def _deliver(self, events: list[tuple[Request, Event]]) -> None:
+        """From the scheduler thread, once per step."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_dispatch, events)
+
+    def _crashed(self, e: BaseException) -> None:
+        print(
+            f"kern: the scheduler failed ({type(e).__name__}: {e}); exiting with code "
+            f"{CRASH_EXIT_CODE}",
+            file=sys.stderr,
+            flush=True,
+        )
+        # Give the event loop a moment to end the open streams, then go: a server whose
+        # scheduler is gone must not keep its port open with requests hanging.
+        threading.Timer(0.5, os._exit, (CRASH_EXIT_CODE,)).start()
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        route = self._routes.get(path)
+        try:
+            if route is None:
+                raise ApiError(404, f"no route {path}", type="not_found_error")
+            method, handler = route
+            if scope["method"] != method:
+                raise ApiError(405, f"{path} takes {method}", type="invalid_request_error")
+            if path != "/health" and self.api_key is not None:
+                self._authorize(scope)
+            if self.scheduler is None:
+                raise ApiError(503, "the model is loading", type="server_error")
+            await handler(scope, receive, send)
+        except ApiError as e:
+            await _respond(send, e.status, api.error_body(e))
+        except _Disconnected:
+            pass
+        except Exception as e:
+            traceback.print_exc()
+            err = ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
+            await _respond(send, 500, api.error_body(err))
+
+    def _authorize(self, scope: Scope) -> None:
+        assert self.api_key is not None
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                scheme, _, token = v.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+                    return
+                break
+        raise ApiError(
+            401, "missing or wrong API key", type="authentication_error", code="invalid_api_key"
+        )
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_body:
+                raise ApiError(413, f"body over {self.max_body} bytes", code="body_too_large")
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise ApiError(413, f"body over {self.max_body} bytes", code="body_too_large")
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+    # --- simple routes ----------------------------------------------------------------------
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _respond(send, 200, b"ok\n", [(b"content-type", b"text/plain")])
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        assert self.scheduler is not None
+        text = self.scheduler.metrics.render().encode()
+        await _respond(send, 200, text, [(b"content-type", b"text/plain; version=0.0.4")])
+
+    async def _openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _respond(send, 200, api.encode(api.openapi()))
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        card = api.ModelCard(self.model_name, self.created, max_model_len=self.max_model_len)
+        await _respond(send, 200, api.encode(api.ModelList([card])))
+
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = api.decode(await self._body(scope, receive), api.TokenizeRequest)
+        self._check_model(body.model)
+        if body.messages is not None:
+            text = self._render_chat(body.messages, body.add_generation_prompt)
+        else:
+            assert body.prompt is not None
+            text = body.prompt
+        ids = self._encode(text, "prompt", add_special_tokens=body.add_special_tokens)
+        out = api.TokenizeResponse(ids, len(ids), self.max_model_len)
+        await _respond(send, 200, api.encode(out))
+
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = api.decode(await self._body(scope, receive), api.DetokenizeRequest)
+        self._check_model(body.model)
+        self._check_ids(body.tokens, "tokens")
+        out = api.DetokenizeResponse(self.tokenizer.decode(body.tokens))
+        await _respond(send, 200, api.encode(out))
+
+    # --- generation -------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist (this server serves {self.model_name!r})",
+                param="model",
+                type="invalid_request_error",
+                code="model_not_found",
+            )
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        for i, t in enumerate(ids):
+            if t >= self.vocab_size:
+                raise ApiError(
+                    400,
+                    f"token id {t} is not below the vocabulary size {self.vocab_size}",
+                    param=f"{param}[{i}]",
+                    code="invalid_value",
+                )
+
+    def _encode(self, text: str, param: str, *, add_special_tokens: bool = False) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
+            raise ApiError(400, f"cannot tokenize: {e}", param=param) from None
+
+    def _render_chat(self, messages: list[api.ChatMessage], add_generation_prompt: bool) -> str:
+        from kern.tokenizer import ChatTemplateError
+
+        dicts = [{"role": m.role, "content": m.text()} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(dicts, add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = api.decode(await self._body(scope, receive), api.CompletionRequest)
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = self._encode(body.prompt, "prompt")
+        else:
+            prompt_ids = body.prompt
+            self._check_ids(prompt_ids, "prompt")
+        await self._generate(body, prompt_ids, body.max_tokens, body.logprobs, False, receive, send)
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = api.decode(await self._body(scope, receive), api.ChatCompletionRequest)
+        self._check_model(body.model)
+        text = self._render_chat(body.messages, body.add_generation_prompt)
+        prompt_ids = self._encode(text, "messages")
+        limit = body.token_limit()
+        await self._generate(body, prompt_ids, limit, body.num_logprobs(), True, receive, send)
+
+    async def _generate(
+        self,
+        body: api.CompletionRequest | api.ChatCompletionRequest,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        num_logprobs: int | None,
+        chat: bool,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        if not prompt_ids:
+            raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
+        if max_tokens is None:
+            max_tokens = sched.max_tokens_for(len(prompt_ids))
+        try:
+            sched.check(len(prompt_ids), max_tokens)
+        except LimitError as e:
+            raise ApiError(400, str(e), param=e.param, code="context_length_exceeded") from None
+        stop_ids = frozenset(body.stop_token_ids or ())
+        self._check_ids(sorted(stop_ids), "stop_token_ids")
+        stops = body.stop_strings()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        reqs = []
+        choices = []
+        for i in range(body.n):
+            seed = body.seed
+            if seed is not None and body.n > 1:
+                seed = (seed + i) % (1 << 63)
+            params = SamplingParams(
+                temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), seed=seed
+            )
+            reqs.append(
+                Request(
+                    prompt_ids,
+                    max_tokens,
+                    params,
+                    stop_ids=stop_ids,
+                    ignore_eos=body.ignore_eos,
+                    num_logprobs=num_logprobs,
+                    sink=queue,
+                    index=i,
+                )
+            )
+            choices.append(
+                _Choice(
+                    i,
+                    self.tokenizer.stream(skip_special_tokens=True),
+                    stops,
+                    max((len(s) for s in stops), default=1) - 1,
+                )
+            )
+        for r in reqs:
+            sched.submit(r)
+        watcher = asyncio.create_task(_watch(receive, reqs, queue, sched))
+        try:
+            run = _Run(self, body, chat, prompt_ids, reqs, choices, queue)
+            if body.stream:
+                await run.stream(send)
+            else:
+                await run.collect(send)
+        finally:
+            watcher.cancel()
+            for r in reqs:
+                if r.finish_reason is None:
+                    sched.abort(r)
+
+
+class _Run:
+    """One HTTP generation: its sequences' events turned into a response or a stream."""
+
+    def __init__(self, app: App, body: Any, chat: bool, prompt_ids, reqs, choices, queue) -> None:
+        self.app = app
+        self.body = body
+        self.chat = chat
+        self.prompt_ids = prompt_ids
+        self.reqs: list[Request] = reqs
+        self.choices: list[_Choice] = choices
+        self.queue: asyncio.Queue[Any] = queue
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    async def events(self):
+        """Batches of (choice, text, finish) until every choice has its final event."""
+        left = len(self.choices)
+        while left:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            out = []
+            for item in items:
+                if item is _HANGUP:
+                    raise _Disconnected
+                req, (tok, lp, reason) = item
+                ch = self.choices[req.index]
+                if ch.done:
+                    continue
+                if tok is not None and ch.finish is None:
+                    text, stopped = ch.feed(tok)
+                    if lp is not None:
+                        ch.logprobs.append((tok, lp[0], lp[1]))
+                    if stopped:
+                        ch.finish = "stop"
+                        self.app.scheduler.abort(req)  # type: ignore[union-attr]
+                        out.append((ch, text, "stop"))
+                    elif text:
+                        out.append((ch, text, None))
+                if reason is not None:
+                    ch.done = True
+                    left -= 1
+                    if ch.finish is None:
+                        ch.finish = reason
+                        out.append((ch, ch.flush(), reason))
+            if out:
+                yield out
+
+    def usage(self) -> api.Usage:
+        completion = sum(len(c.ids) for c in self.choices)
+        cached = self.reqs[0].cached_tokens or 0
+        n = len(self.prompt_ids)
+        return api.Usage(n, completion, n + completion, api.PromptTokensDetails(cached))
+
+    def _token_ids(self, ch: _Choice) -> list[int] | None:
+        return list(ch.ids) if self.body.return_token_ids else None
+
+    async def collect(self, send: Send) -> None:
+        async for batch in self.events():
+            for ch, text, _ in batch:
+                ch.text.append(text)
+        if self.chat:
+            chat_choices = [
+                api.ChatChoice(
+                    c.index,
+                    api.AssistantMessage("".join(c.text)),
+                    self._chat_logprobs(c.logprobs) if c.logprobs or self._lp() else None,
+                    c.finish,  # type: ignore[arg-type]
+                    self._token_ids(c),
+                )
+                for c in self.choices
+            ]
+            out: Any = api.ChatCompletionResponse(
+                self.id, self.created, self.app.model_name, chat_choices, self.usage()
+            )
+        else:
+            comp_choices = [
+                api.CompletionChoice(
+                    c.index,
+                    "".join(c.text),
+                    self._completion_logprobs(c.logprobs) if self._lp() else None,
+                    c.finish,  # type: ignore[arg-type]
+                    self._token_ids(c),
+                )
+                for c in self.choices
+            ]
+            out = api.CompletionResponse(
+                self.id, self.created, self.app.model_name, comp_choices, self.usage()
+            )
+        await _respond(send, 200, api.encode(out))
+
+    def _lp(self) -> bool:
+        return self.reqs[0].num_logprobs is not None
+
+    async def stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        usage_field = None
+        model = self.app.model_name
+        if self.chat:
+            first = [
+                api.ChatChunkChoice(c.index, api.Delta(role="assistant", content=""), None, None)
+                for c in self.choices
+            ]
+            chunk = api.ChatCompletionChunk(self.id, self.created, model, first)
+            await _send_sse(send, [api.encode(chunk)])
+        async for batch in self.events():
+            lines = []
+            for ch, text, finish in batch:
+                lp_start = len(ch.logprobs) - (1 if ch.logprobs and text else 0)
+                if self.chat:
+                    lp = self._chat_logprobs(ch.logprobs[lp_start:]) if self._lp() else None
+                    cc = api.ChatChunkChoice(
+                        ch.index,
+                        api.Delta(content=text) if text else api.Delta(),
+                        lp,
+                        finish,  # type: ignore[arg-type]
+                        self._token_ids(ch) if finish else None,
+                    )
+                    lines.append(
+                        api.encode(
+                            api.ChatCompletionChunk(self.id, self.created, model, [cc], usage_field)
+                        )
+                    )
+                else:
+                    lp2 = self._completion_logprobs(ch.logprobs[lp_start:]) if self._lp() else None
+                    c2 = api.CompletionChoice(
+                        ch.index,
+                        text,
+                        lp2,
+                        finish,  # type: ignore[arg-type]
+                        self._token_ids(ch) if finish else None,
+                    )
+                    lines.append(
+                        api.encode(
+                            api.CompletionResponse(self.id, self.created, model, [c2], usage_field)
+                        )
+                    )
+            await _send_sse(send, lines)
+        tail = []
+        if include_usage:
+            if self.chat:
+                tail.append(
+                    api.encode(
+                        api.ChatCompletionChunk(self.id, self.created, model, [], self.usage())
+                    )
+                )
+            else:
+                tail.append(
+                    api.encode(
+                        api.CompletionResponse(self.id, self.created, model, [], self.usage())
+                    )
+                )
+        body = b"".join(b"data: " + line + b"\n\n" for line in tail) + _DONE
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _token_text(self, token: int) -> str:
+        return self.app.tokenizer.decode([token])
+
+    def _completion_logprobs(self, entries) -> api.CompletionLogprobs:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for tok, lp, top in entries:
+            s = self._token_text(tok)
+            tokens.append(s)
+            token_lps.append(lp)
+            tops.append({self._token_text(i): v for i, v in top})
+            offsets.append(offset)
+            offset += len(s)
+        return api.CompletionLogprobs(tokens, token_lps, tops, offsets)
+
+    def _chat_logprobs(self, entries) -> api.ChatLogprobs:
+        content = []
+        for tok, lp, top in entries:
+            s = self._token_text(tok)
+            content.append(
+                api.TokenLogprob(
+                    s,
+                    lp,
+                    list(s.encode()),
+                    [api.TopLogprob(t := self._token_text(i), v, list(t.encode())) for i, v in top],
+                )
+            )
+        return api.ChatLogprobs(content)
+
+
+def _dispatch(events: list[tuple[Request, Event]]) -> None:
+    for req, ev in events:
+        req.sink.put_nowait((req, ev))
+
+
+async def _watch(receive: Receive, reqs: list[Request], queue, sched: Scheduler) -> None:
+    """Abort ``reqs`` when the client hangs up (the only way to learn it under ASGI 2.1)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            for r in reqs:
+                sched.abort(r)
+            queue.put_nowait(_HANGUP)
+            return
+
+
+async def _respond(send: Send, status: int, body: bytes, headers=None) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers or _JSON})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_sse(send: Send, lines: list[bytes]) -> None:
+    if lines:
+        body = b"".join(b"data: " + line + b"\n\n" for line in lines)
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+def _fail_after(runner: Any, steps: int) -> None:
+    """Test hook (``KERN_TEST_CRASH_AFTER_STEPS``): make the runner raise after ``steps``
+    forwards, so the crash path (exit code 101, open streams ended) is tested for real."""
+    forward = runner.forward
+    count = [0]
+
+    def failing(batch):
+        count[0] += 1
+        if count[0] > steps:
+            raise RuntimeError(f"injected failure after {steps} steps")
+        return forward(batch)
+
+    runner.forward = failing
+
+
+app = App()

@@ -1,0 +1,606 @@
+"""The scheduler: one thread that runs every request through the runner, one step at a time.
+
+Design notes
+------------
+* Continuous batching: each step is one ``Runner.forward`` over every running request, decode
+  rows first (one token each), then prefill chunks under a per-step token budget
+  (``max_step_tokens``). A request joins or leaves between any two steps.
+* One code path for prefill, decode and resume. A request is its tokens (prompt, then what it
+  produced) and ``num_computed``, how many of them are in its KV. Each step computes the next
+  chunk of ``tokens[num_computed:]``; a chunk that reaches the end asks for logits and yields a
+  token. Decoding is a chunk of one. The same shapes ``kern.generate`` runs, so a greedy answer
+  is the same bits as ``kern run`` on the CPU backend (batch- and chunk-invariant, see
+  docs/invariance.md).
+* Admission is first come, first served: the head of the queue is admitted once the pages for
+  its whole prompt can be had (making room from the cache if need be), so a prefill never
+  preempts anyone. A prefix hit is taken from ``Cache.match``, capped one token short of the
+  prompt (recompute the last token for logits), its node locked while the request runs; a
+  parked hit is woken and its plan landed first; a hit ending mid-page has its shared page
+  copied before anything is written past it. On a stateful model (qwen3_5) a hit is usable only
+  where a state snapshot sits, and the snapshot is copied into the request's own slot.
+* Preemption: a decode that needs a page when nothing is evictable preempts the youngest
+  running request. Its computed tokens and pages go into the prefix tree (with its state, on a
+  stateful model), it unlocks, and it goes back to the head of the queue. The tree's make-room
+  loop then parks those pages to the host tier, or drops them when the host is full; on
+  resume, the request matches its own tokens, waking them (no recompute) or recomputing what
+  was dropped. The oldest request always fits alone (requests that cannot are refused at
+  submit), so this never deadlocks, and no answer is ever cut short.
+* Plans are landed here, by the runner, before anything is allocated again: park plans copy
+  device pages into the host arena (torch CPU tensors sized from the cache's host counts), wake
+  plans copy them back before the pages are read.
+* The thread talks to the app through two things only: ``submit``/``abort`` (locked inbox,
+  a condition variable to wake the thread) and ``deliver``, called once per step with every
+  event of that step, so crossing to the event loop costs one call per step, not per token.
+* If the loop raises, every open request is finished with ``abort`` and ``on_crash`` runs (the
+  server prints the error and exits with code 101).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kern.batch import SeqChunk
+from kern.metrics import Metrics
+from kern.pool import Cache, Evicted, PoolFull
+from kern.runner import Runner
+from kern.sampler import SamplingParams, sample
+
+__all__ = ["Event", "LimitError", "Request", "Scheduler", "build"]
+
+# The device budget when a target names none: enough for the tiny models kern ships and
+# benchmarks on the CPU (the runner zero-fills it at start, so it is not free to oversize).
+DEFAULT_POOL_BYTES = 256 * 2**20
+
+# An event for one request: (token id or None, logprob entry or None, finish reason or None).
+# A logprob entry is (logprob of the token, [(id, logprob), ...] of the top ones).
+Event = tuple[int | None, tuple[float, list[tuple[int, float]]] | None, str | None]
+
+
+class LimitError(ValueError):
+    """A request that can never fit: its message names the limit (the app answers 400)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One sequence to generate. The app builds it; after ``submit`` only the scheduler
+    thread mutates it, except ``aborted`` (set by ``Scheduler.abort``)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = SamplingParams()
+    stop_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    num_logprobs: int | None = None
+    # Opaque to the scheduler: where the app routes this request's events.
+    sink: Any = None
+    index: int = 0
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_output: int = 0
+    block_table: list[int] = field(default_factory=list)
+    node: int | None = None
+    slot: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    aborted: bool = False
+    order: int = 0
+    t_submit: float = 0.0
+    t_first: float = 0.0
+
+
+class Scheduler:
+    """Owns the runner and the cache; runs on its own thread once :meth:`start` is called."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        cache: Cache,
+        *,
+        eos_token_ids: Sequence[int],
+        max_model_len: int,
+        deliver: Callable[[list[tuple[Request, Event]]], None],
+        metrics: Metrics | None = None,
+        max_step_tokens: int = 512,
+        max_running: int = 256,
+        on_crash: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.pt = cache.page_tokens
+        self.eos = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.deliver = deliver
+        self.metrics = metrics or Metrics()
+        self.max_step_tokens = max_step_tokens
+        self.max_running = max_running
+        self.on_crash = on_crash
+        self.stateful = runner.stateful
+        stats = cache.stats()
+        # Every page the pool can give to requests (a stateful pool keeps its first slots).
+        self.max_pages = cache.pages_free
+        self.start_pages_free = stats.pages_free
+        self.start_slots_free = stats.slots_free
+        self._make_host_arena(stats.host_pages_free, stats.host_slots_free)
+        self._cv = threading.Condition()
+        self._inbox: list[Request] = []
+        self._stop = False
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._order = 0
+        self.failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kern-scheduler", daemon=True)
+        self._gauges()
+
+    def _make_host_arena(self, host_pages: int, host_slots: int) -> None:
+        r = self.runner
+        self.host_kv = torch.zeros(host_pages, *r.kv_arena.shape[1:], dtype=r.kv_arena.dtype)
+        self.host_conv = self.host_delta = None
+        if r.conv_states is not None and r.delta_states is not None and host_slots:
+            self.host_conv = torch.zeros(host_slots, *r.conv_states.shape[1:], dtype=r.dtype)
+            self.host_delta = torch.zeros(
+                host_slots, *r.delta_states.shape[1:], dtype=r.delta_states.dtype
+            )
+
+    # --- the app's side (any thread) ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    def check(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise :class:`LimitError` when a request of this size can never be served."""
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            raise LimitError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} is over "
+                f"the model's context of {self.max_model_len} tokens",
+                "max_tokens",
+            )
+        pool_tokens = self.max_pages * self.pt
+        if total > pool_tokens:
+            raise LimitError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} is over "
+                f"the KV pool of {pool_tokens} tokens ({self.max_pages} pages)",
+                "max_tokens",
+            )
+
+    def max_tokens_for(self, prompt_len: int) -> int:
+        """The most tokens a prompt of this length may ask for (the default when unset)."""
+        return max(1, min(self.max_model_len, self.max_pages * self.pt) - prompt_len)
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req`` (checked with :meth:`check` first). Its events go to ``deliver``."""
+        req.tokens = list(req.prompt_ids)
+        req.t_submit = time.perf_counter()
+        with self._cv:
+            if self.failed is not None:
+                raise RuntimeError("the scheduler has stopped")
+            self._inbox.append(req)
+            self._cv.notify()
+
+    def abort(self, req: Request) -> None:
+        """Ask for ``req`` to end with ``abort`` at the next step (a no-op once finished)."""
+        req.aborted = True
+        with self._cv:
+            self._cv.notify()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + len(self._inbox)
+
+    # --- the thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stop or self._inbox or self._running or self._waiting):
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    for req in self._inbox:
+                        req.order = self._order
+                        self._order += 1
+                        self._waiting.append(req)
+                    self._inbox.clear()
+                events: list[tuple[Request, Event]] = []
+                self._reap_aborted(events)
+                self._admit()
+                self._step(events)
+                if events:
+                    self.deliver(events)
+                self._gauges()
+        except BaseException as e:  # noqa: BLE001 - a PanicException too: nothing may hang
+            self._crash(e)
+
+    def _gauges(self) -> None:
+        m = self.metrics
+        m.num_running = len(self._running)
+        m.num_waiting = len(self._waiting)
+        s = self.cache.stats()
+        m.pool = {
+            "kern_pool_pages_total": self.max_pages,
+            "kern_pool_pages_free": s.pages_free,
+            "kern_pool_pages_cached": s.resident_pages,
+            # Pages requests hold: neither free nor the tree's. 0 when nothing runs.
+            "kern_pool_pages_held": s.pages_used - s.resident_pages,
+            "kern_pool_slots_total": s.slot_capacity,
+            "kern_pool_slots_free": s.slots_free,
+            "kern_pool_slots_held": s.slots_used - s.resident_states,
+            "kern_host_pages_free": s.host_pages_free,
+            "kern_host_pages_parked": s.parked_pages,
+            "kern_cache_nodes": s.num_nodes,
+        }
+
+    def _crash(self, e: BaseException) -> None:
+        traceback.print_exception(e)
+        with self._cv:
+            self.failed = e
+            open_reqs = [*self._running, *self._waiting, *self._inbox]
+            self._inbox.clear()
+        try:
+            self.deliver([(r, (None, None, "abort")) for r in open_reqs])
+        finally:
+            if self.on_crash is not None:
+                self.on_crash(e)
+
+    def _reap_aborted(self, events: list[tuple[Request, Event]]) -> None:
+        if any(r.aborted for r in self._waiting):
+            for r in [r for r in self._waiting if r.aborted]:
+                self._waiting.remove(r)
+                self._finish(r, "abort", events)
+        for r in [r for r in self._running if r.aborted]:
+            self._running.remove(r)
+            self._finish(r, "abort", events)
+
+    def _finish(self, req: Request, reason: str, events: list[tuple[Request, Event]]) -> None:
+        req.finish_reason = reason
+        self._release(req, snapshot=reason != "abort")
+        if req.cached_tokens is None:
+            req.cached_tokens = 0
+        m = self.metrics
+        if reason == "abort":
+            m.num_aborted += 1
+        if req.num_output > 1:
+            m.tpot.observe((time.perf_counter() - req.t_first) / (req.num_output - 1))
+        events.append((req, (None, None, reason)))
+
+    # --- memory ---------------------------------------------------------------------------
+
+    def _land(self, evicted: list[Evicted]) -> None:
+        """Land park plans (device -> host) and count what the make-room loop took."""
+        m = self.metrics
+        r = self.runner
+        for ev in evicted:
+            match ev:
+                case Evicted.Parked(_, plan, dropped):
+                    m.num_parked += 1
+                    m.num_dropped_parked += len(dropped)
+                    if plan.num_pages:
+                        src = _ids(plan.src_pages)
+                        self.host_kv[_ids(plan.dst_pages)] = r.read_pages(src).cpu()
+                    if plan.src_states and self.host_conv is not None:
+                        self._copy_states(plan.src_states, plan.dst_states, to_host=True)
+                case Evicted.Dropped(_, parked):
+                    if parked:
+                        m.num_dropped_parked += 1
+                    else:
+                        m.num_dropped_resident += 1
+
+    def _copy_states(self, src_b: bytes, dst_b: bytes, *, to_host: bool) -> None:
+        r = self.runner
+        assert r.conv_states is not None and r.delta_states is not None
+        assert self.host_conv is not None and self.host_delta is not None
+        src = torch.from_numpy(np.frombuffer(src_b, np.uint32).astype(np.int64))
+        dst = torch.from_numpy(np.frombuffer(dst_b, np.uint32).astype(np.int64))
+        if to_host:
+            self.host_conv[dst] = r.conv_states[src.to(r.device)].cpu()
+            self.host_delta[dst] = r.delta_states[src.to(r.device)].cpu()
+        else:
+            r.conv_states[dst.to(r.device)] = self.host_conv[src].to(r.device)
+            r.delta_states[dst.to(r.device)] = self.host_delta[src].to(r.device)
+
+    def _alloc_pages(self, n: int) -> list[int] | None:
+        if n <= 0:
+            return []
+        if self.cache.pages_free < n:
+            self._land(self.cache.make_room(n))
+            if self.cache.pages_free < n:
+                return None
+        return _ids(self.cache.alloc_pages(n))
+
+    def _alloc_slot(self) -> int | None:
+        try:
+            return self.cache.alloc_slot()
+        except PoolFull:
+            self._land(self.cache.make_room(0, slots=1))
+        try:
+            return self.cache.alloc_slot()
+        except PoolFull:
+            return None
+
+    def _wake(self, node: int, num_pages: int) -> bool:
+        """Bring the parked part of ``node``'s path back (locked by the caller); it spans
+        about ``num_pages`` pages."""
+        try:
+            woken = self.cache.wake(node)
+        except PoolFull:
+            self._land(self.cache.make_room(num_pages, slots=1 if self.stateful else 0))
+            try:
+                woken = self.cache.wake(node)
+            except PoolFull:
+                return False
+        plan = woken.plan
+        self.metrics.num_woken += len(woken.keys)
+        if plan.num_pages:
+            self.runner.write_pages(_ids(plan.dst_pages), self.host_kv[_ids(plan.src_pages)])
+        if plan.src_states and self.host_conv is not None:
+            self._copy_states(plan.src_states, plan.dst_states, to_host=False)
+        return True
+
+    def _release(self, req: Request, *, snapshot: bool) -> None:
+        """Give the request's computed tokens and pages to the tree, unlock, free the rest."""
+        cache = self.cache
+        n = req.num_computed
+        num_pages = -(-n // self.pt)
+        keep, extra = req.block_table[:num_pages], req.block_table[num_pages:]
+        if req.node is not None:
+            cache.unlock(req.node)
+            req.node = None
+        slot = req.slot
+        if n > 0:
+            state = slot if (snapshot and slot is not None) else None
+            ins = cache.insert(_u32(req.tokens[:n]), _u32(keep), state)
+            if ins.duplicates:
+                cache.free_pages(ins.duplicates)
+            if state is not None:
+                # The tree took the working slot as the snapshot, unless it had one already.
+                slot = ins.state_duplicate
+        elif keep:
+            cache.free_pages(_u32(keep))
+        if extra:
+            cache.free_pages(_u32(extra))
+        if slot is not None:
+            cache.free_slot(slot)
+        req.slot = None
+        req.block_table = []
+        req.num_computed = 0
+
+    # --- admission ------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_running:
+            req = self._waiting[0]
+            if not self._try_admit(req):
+                return
+            self._waiting.popleft()
+            self._running.append(req)
+
+    def _try_admit(self, req: Request) -> bool:
+        cache = self.cache
+        pt = self.pt
+        key = _u32(req.tokens)
+        cap = len(req.tokens) - 1  # recompute the last token for logits
+        m = cache.match(key)
+        hit = self._usable_hit(m, cap)
+        node = m.node if hit > 0 else None
+        if node is not None:
+            cache.lock(node)
+            if m.resident_len < hit or (self.stateful and m.state_slot is None):
+                parked = -(-m.hit_len // pt) - m.resident_len // pt
+                if self._wake(node, parked):
+                    m = cache.match(key)
+                    hit = self._usable_hit(m, cap)
+                else:
+                    hit = 0 if self.stateful else min(hit, m.resident_len)
+            if hit == 0:
+                cache.unlock(node)
+                node = None
+        shared = _ids(m.pages)[: hit // pt] if hit else []
+        partial = hit % pt != 0
+        need = -(-len(req.tokens) // pt) - len(shared)
+        slot = None
+        if self.stateful:
+            slot = self._alloc_slot()
+        own = self._alloc_pages(need) if (slot is not None or not self.stateful) else None
+        if own is None:
+            if slot is not None:
+                cache.free_slot(slot)
+            if node is not None:
+                cache.unlock(node)
+            return False
+        if partial:
+            # The hit's last page is shared with the tree: copy it before writing past the hit.
+            self.runner.copy_pages([_ids(m.pages)[hit // pt]], [own[0]])
+        if slot is not None and hit:
+            assert m.state_slot is not None
+            self.runner.copy_slots([m.state_slot], [slot])
+        req.block_table = shared + own
+        req.node = node
+        req.slot = slot
+        req.num_computed = hit
+        if req.cached_tokens is None:
+            req.cached_tokens = hit
+            self.metrics.num_prompt_tokens += len(req.prompt_ids)
+            self.metrics.num_hit_tokens += hit
+        return True
+
+    def _usable_hit(self, m: Any, cap: int) -> int:
+        if not self.stateful:
+            return min(m.hit_len, cap)
+        # A recurrent model resumes only from a state taken at exactly the hit length.
+        if m.state_len is None or m.state_len > cap:
+            return 0
+        return m.state_len
+
+    # --- one step -------------------------------------------------------------------------
+
+    def _step(self, events: list[tuple[Request, Event]]) -> None:
+        budget = self.max_step_tokens
+        pt = self.pt
+        plan: list[tuple[Request, int]] = []
+        # Decode rows first, oldest first: they are cheap and keep streams flowing.
+        for req in sorted(self._running, key=_decode_first):
+            if req not in self._running:
+                continue  # preempted for an older request in this loop
+            if budget <= 0:
+                break
+            left = len(req.tokens) - req.num_computed
+            k = min(left, budget)
+            if req.num_computed + k > len(req.block_table) * pt and not self._grow(req, k):
+                continue  # preempted itself: nothing younger to take from
+            plan.append((req, k))
+            budget -= k
+        plan = [(r, k) for r, k in plan if r.block_table]
+        if not plan:
+            return
+        batch = []
+        for req, k in plan:
+            nc = req.num_computed
+            done = nc + k == len(req.tokens)
+            batch.append(
+                SeqChunk(
+                    req.tokens[nc : nc + k],
+                    nc,
+                    req.block_table,
+                    slot=req.slot,
+                    logits="last" if done else "none",
+                )
+            )
+        logits = self.runner.forward(batch)
+        rows = [r for (r, k) in plan if r.num_computed + k == len(r.tokens)]
+        for req, k in plan:
+            req.num_computed += k
+        if not rows:
+            return
+        picked = sample(logits, [r.params for r in rows], [r.num_output for r in rows])
+        now = time.perf_counter()
+        m = self.metrics
+        for i, (req, tok) in enumerate(zip(rows, picked.tolist(), strict=True)):
+            lp = None
+            if req.num_logprobs is not None:
+                lp = _logprobs(logits[i], tok, req.num_logprobs)
+            req.tokens.append(tok)
+            req.num_output += 1
+            m.num_generated += 1
+            if req.num_output == 1:
+                req.t_first = now
+                m.ttft.observe(now - req.t_submit)
+            reason = None
+            if tok in req.stop_ids or (tok in self.eos and not req.ignore_eos):
+                reason = "stop"
+            elif req.num_output >= req.max_tokens:
+                reason = "length"
+            events.append((req, (tok, lp, None)))
+            if reason is not None:
+                self._running.remove(req)
+                self._finish(req, reason, events)
+
+    def _grow(self, req: Request, k: int) -> bool:
+        """Pages for ``req``'s next ``k`` tokens, preempting the youngest running requests
+        when nothing can be evicted. False when ``req`` itself was preempted."""
+        need = -(-(req.num_computed + k) // self.pt) - len(req.block_table)
+        while True:
+            pages = self._alloc_pages(need)
+            if pages is not None:
+                req.block_table.extend(pages)
+                return True
+            victim = max(self._running, key=lambda r: r.order)
+            self._preempt(victim)
+            if victim is req:
+                return False
+
+    def _preempt(self, req: Request) -> None:
+        self._running.remove(req)
+        self._release(req, snapshot=True)
+        self._waiting.appendleft(req)
+        self.metrics.num_preempted += 1
+
+
+def _decode_first(req: Request) -> tuple[int, int]:
+    return (len(req.tokens) - req.num_computed > 1, req.order)
+
+
+def _logprobs(row: torch.Tensor, tok: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    lp = torch.log_softmax(row.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = torch.topk(lp, k)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return float(lp[tok]), top
+
+
+def _u32(ids: Sequence[int]) -> np.ndarray:
+    return np.asarray(ids, dtype=np.uint32)
+
+
+def _ids(b: bytes) -> list[int]:
+    return np.frombuffer(b, dtype=np.uint32).tolist()
+
+
+def build(target: Any) -> tuple[Any, Runner, Cache]:
+    """Load ``target``'s checkpoint and size the runner's arenas and the cache's books alike:
+    the Cache decides how many pages and slots a byte budget holds, the Runner allocates
+    exactly that many. Returns (checkpoint, runner, cache)."""
+    from kern.checkpoint import load_checkpoint
+
+    torch.set_num_threads(target.threads)
+    ckpt = load_checkpoint(target.checkpoint, device=target.device, dtype=target.dtype)
+    c = ckpt.config
+    elsize = 4 if target.device == "cpu" else 2
+    num_attn = sum(1 for t in c.layer_types if t != "linear_attention") or c.num_hidden_layers
+    num_lin = sum(1 for t in c.layer_types if t == "linear_attention")
+    page_bytes = num_attn * 2 * target.page_tokens * c.num_key_value_heads * c.head_dim * elsize
+    state_bytes = 0
+    if num_lin:
+        conv_dim = (
+            2 * c.linear_num_key_heads * c.linear_key_head_dim
+            + c.linear_num_value_heads * c.linear_value_head_dim
+        )
+        state_bytes = num_lin * (
+            conv_dim * (c.linear_conv_kernel_dim - 1) * elsize
+            + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+        )
+    device_bytes = target.pool_bytes or DEFAULT_POOL_BYTES
+    cache = Cache(
+        page_tokens=target.page_tokens,
+        page_bytes=page_bytes,
+        device_bytes=device_bytes,
+        state_bytes=state_bytes,
+        host_bytes=target.host_bytes,
+    )
+    runner = Runner(
+        ckpt,
+        num_pages=cache.num_chunks * cache.pages_per_chunk,
+        page_tokens=target.page_tokens,
+        num_slots=cache.num_chunks * cache.slots_per_chunk if num_lin else 0,
+        device=target.device,
+    )
+    if runner.page_bytes != page_bytes or runner.slot_bytes != state_bytes:
+        raise RuntimeError(
+            f"page/slot bytes: runner {runner.page_bytes}/{runner.slot_bytes}, "
+            f"scheduler {page_bytes}/{state_bytes}"
+        )
+    return ckpt, runner, cache

@@ -1,0 +1,423 @@
+"""The server over real HTTP: a `kern serve` subprocess on a free loopback port, driven with
+httpx and the official openai client, answers compared with `kern.generate` on the same ids."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kern.checkpoint import load_checkpoint
+from kern.cli import probe_ulps
+from kern.generate import generate
+from kern.tiny import default_model_path
+
+KEY = "test-key"
+MODEL = "tiny"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(
+        self, tmp: Path, name: str, *, pool_bytes: str, host_bytes: str = "0", env=None
+    ) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = tmp / f"{name}.toml"
+        config.write_text(
+            f'[targets.{MODEL}]\ncheckpoint = "{default_model_path()}"\n'
+            f'pool_bytes = "{pool_bytes}"\nhost_bytes = "{host_bytes}"\n'
+        )
+        self.log = open(tmp / f"{name}.log", "w+b")  # noqa: SIM115 - closed in close()
+        env = dict(os.environ, PYTHONPATH=str(REPO / "python"), **(env or {}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kern.cli", "serve", "--config", str(config)]
+            + ["--target", MODEL, "--port", str(self.port), "--api-key", KEY],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        self.http = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"server did not start:\n{self.output()}")
+            time.sleep(0.2)
+        self.start = self.metrics()
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        text = self.http.get("/metrics").text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def idle_metrics(self) -> dict[str, float]:
+        """Metrics once nothing runs or waits (aborts land within a step)."""
+        deadline = time.monotonic() + 10
+        while True:
+            m = self.metrics()
+            if (m["kern_running"] == 0 and m["kern_waiting"] == 0) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+    def assert_no_leak(self) -> None:
+        m = self.idle_metrics()
+        assert m["kern_pool_pages_held"] == 0
+        assert m["kern_pool_slots_held"] == 0
+        # Every page is back: free, or cached in the tree (evictable, unlocked).
+        assert m["kern_pool_pages_free"] + m["kern_pool_pages_cached"] == (
+            self.start["kern_pool_pages_free"] + self.start["kern_pool_pages_cached"]
+        )
+
+    def complete(self, prompt, max_tokens: int = 16, **kw) -> dict:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        body["return_token_ids"] = True
+        r = self.http.post("/v1/completions", json={**body, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def close(self) -> None:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("srv"), "main", pool_bytes="16MiB")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    # 64 pages of 16 tokens on the device, 512 in the host tier: parks, wakes and preempts.
+    s = Server(tmp_path_factory.mktemp("small"), "small", pool_bytes="512KiB", host_bytes="4MiB")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return load_checkpoint(default_model_path())
+
+
+def _reference(ckpt, prompt_ids, steps):
+    """kern run's answer: generate alone, cut at end-of-sequence as the server stops."""
+    ids = generate(ckpt, prompt_ids, steps, page_tokens=16, threads=2).ids
+    eos = set(ckpt.tokenizer.eos_token_ids)
+    for n, t in enumerate(ids):
+        if t in eos:
+            return ids[: n + 1]
+    return ids
+
+
+def _excused(ckpt, prompt_ids, got, want) -> bool:
+    """A divergence is excused only if both tokens are within 4 ULPs of the top logit at the
+    first step they differ (the probe of generate on the shared context)."""
+    s = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+    probe = generate(ckpt, prompt_ids + want[:s], 1, probe_steps=[0], page_tokens=16, threads=2)
+    values, ids = probe.probes[0]
+    import numpy as np
+
+    bits = dict(zip(ids.tolist(), values.numpy().view(np.uint32).tolist(), strict=True))
+    top = int(values.numpy().view(np.uint32)[0])
+    return all(t in bits and probe_ulps(bits[t], top) <= 4 for t in (got[s], want[s]))
+
+
+def _prompts(ckpt, n, offset=0):
+    tok = ckpt.tokenizer
+    texts = [f"Request {i + offset}: the weather today is" + " sunny" * (i % 5) for i in range(n)]
+    return [tok.encode(t) for t in texts]
+
+
+# --- basics -------------------------------------------------------------------------------
+
+
+def test_completion_matches_kern_run(server, ckpt):
+    prompt = ckpt.tokenizer.encode("Once upon a time")
+    out = server.complete(prompt, 20)
+    choice = out["choices"][0]
+    want = _reference(ckpt, prompt, 20)
+    assert choice["token_ids"] == want
+    assert choice["text"] == ckpt.tokenizer.decode(want, skip_special_tokens=True)
+    assert out["usage"]["prompt_tokens"] == len(prompt)
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    server.assert_no_leak()
+
+
+def test_openai_client(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    try:
+        c = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0)
+        assert c.choices[0].finish_reason in ("stop", "length")
+        assert c.usage.prompt_tokens_details.cached_tokens is not None
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+        )
+        text = chat.choices[0].message.content
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        parts, usage, finish = [], None, None
+        for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for ch in chunk.choices:
+                parts.append(ch.delta.content or "")
+                finish = ch.finish_reason or finish
+        assert "".join(parts) == text
+        assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
+        assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
+        assert finish == chat.choices[0].finish_reason
+        s2 = client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=8, temperature=0, stream=True
+        )
+        assert "".join(ch.choices[0].text for ch in s2 if ch.choices) == c.choices[0].text
+        models = client.models.list()
+        assert [m.id for m in models.data] == [MODEL]
+    finally:
+        client.close()
+    server.assert_no_leak()
+
+
+def test_sampling_parameters(server, ckpt):
+    prompt = ckpt.tokenizer.encode("The answer is")
+    a = server.complete(prompt, 12, temperature=0.8, top_p=0.9, top_k=40, seed=7, n=2)
+    b = server.complete(prompt, 12, temperature=0.8, top_p=0.9, top_k=40, seed=7, n=2)
+    assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
+    ref = _reference(ckpt, prompt, 12)
+    stop_id = ref[3]
+    out = server.complete(prompt, 12, stop_token_ids=[stop_id])
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["token_ids"][-1] == stop_id
+    ign = server.complete(prompt, 12, ignore_eos=True)
+    assert len(ign["choices"][0]["token_ids"]) == 12
+    text = ckpt.tokenizer.decode(ref, skip_special_tokens=True)
+    if len(text) > 4:
+        stop = text[2:4]
+        st = server.complete(prompt, 12, stop=[stop])
+        assert st["choices"][0]["finish_reason"] == "stop"
+        assert st["choices"][0]["text"] == text[: text.find(stop)]
+    lp = server.complete(prompt, 4, logprobs=3)["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 4 and all(len(t) <= 3 for t in lp["top_logprobs"])
+    server.assert_no_leak()
+
+
+def test_other_routes(server):
+    t = server.http.post("/tokenize", json={"prompt": "hello world"}).json()
+    assert t["count"] == len(t["tokens"]) > 0
+    d = server.http.post("/detokenize", json={"tokens": t["tokens"]}).json()
+    assert d["prompt"] == "hello world"
+    spec = server.http.get("/openapi.json").json()
+    assert "/v1/chat/completions" in spec["paths"]
+    assert "CompletionRequest" in spec["components"]["schemas"]
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+BAD = [
+    (b"{not json", 400, None),
+    (json.dumps({"model": MODEL, "prompt": 5}), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": -1}), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 10**9}), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 10**6}), 400, "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x", "temperature": 5}), 400, "temperature"),
+    (json.dumps({"model": MODEL, "prompt": "x", "top_p": 0}), 400, "top_p"),
+    (json.dumps({"model": MODEL, "prompt": "x", "top_p": 1.5}), 400, "top_p"),
+    (json.dumps({"model": "nope", "prompt": "x"}), 404, "model"),
+    (json.dumps({"model": MODEL, "prompt": [1, 99999]}), 400, "prompt[1]"),
+    (json.dumps({"model": MODEL, "prompt": [1, -3]}), 400, "prompt[1]"),
+    (json.dumps({"model": MODEL, "prompt": ""}), 400, "prompt"),
+    (json.dumps({"model": MODEL, "prompt": []}), 400, "prompt"),
+    (json.dumps({"prompt": "x"}), 400, "model"),
+    (json.dumps({"model": MODEL, "prompt": "x", "n": 0}), 400, "n"),
+    (json.dumps([1, 2]), 400, None),
+    # msgspec refuses a lone surrogate as malformed JSON: no field to name.
+    (json.dumps({"model": MODEL, "prompt": "\ud800"}), 400, None),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_completion(server, body, status, param):
+    r = server.http.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_bad_chat_and_size_and_auth(server):
+    bad_chat = [
+        {"model": MODEL, "messages": []},
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": -1},
+        {"model": MODEL, "messages": [{"role": "user", "content": 3}]},
+    ]
+    for body in bad_chat:
+        r = server.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] is not None
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (5 * 2**20) + b'"}'
+    r = server.http.post("/v1/completions", content=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=wrong)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    assert server.http.get("/nowhere").status_code == 404
+    assert server.http.get("/v1/completions").status_code == 405
+    assert server.proc.poll() is None
+    server.assert_no_leak()
+
+
+# --- identity under load, prefix hits, hang-ups --------------------------------------------
+
+
+def _concurrent_identity(srv, ckpt, prompts, steps):
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda p: srv.complete(p, steps, ignore_eos=True), prompts))
+    excused = 0
+    for p, out in zip(prompts, outs, strict=True):
+        got = out["choices"][0]["token_ids"]
+        want = generate(ckpt, p, steps, page_tokens=16, threads=2).ids
+        if got != want:
+            assert len(got) == len(want) and _excused(ckpt, p, got, want), (got, want)
+            excused += 1
+    print(f"{len(prompts)} concurrent requests, {excused} divergences excused by the probe")
+    return outs
+
+
+def test_twelve_concurrent_identical(server, ckpt):
+    _concurrent_identity(server, ckpt, _prompts(ckpt, 12), 24)
+    server.assert_no_leak()
+
+
+def test_repeat_and_next_turn_hit(server, ckpt):
+    prompt = ckpt.tokenizer.encode("A repeat and a next turn: tell me a story about a dragon")
+    first = server.complete(prompt, 16, ignore_eos=True)
+    again = server.complete(prompt, 16, ignore_eos=True)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    answer = first["choices"][0]["token_ids"]
+    turn = prompt + answer + ckpt.tokenizer.encode(" and then?")
+    nxt = server.complete(turn, 8, ignore_eos=True)
+    # The answer's KV was written while decoding, all but its last token.
+    assert nxt["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) + len(answer) - 1
+    assert nxt["choices"][0]["token_ids"] == generate(ckpt, turn, 8, page_tokens=16).ids
+    server.assert_no_leak()
+
+
+def test_hang_up_mid_stream_frees(server, ckpt):
+    before = server.metrics()["kern_aborted_total"]
+    body = {"model": MODEL, "prompt": "hang up", "max_tokens": 4000, "stream": True}
+    body.update(temperature=0, ignore_eos=True)
+    with server.http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+                if got == 3:
+                    break
+    m = server.idle_metrics()
+    assert m["kern_aborted_total"] == before + 1
+    server.assert_no_leak()
+
+
+# --- a small pool with a host tier ---------------------------------------------------------
+
+
+def test_small_pool_parks_and_wakes(small, ckpt):
+    first = _prompts(ckpt, 1, offset=100)[0]
+    want = small.complete(first, 16, ignore_eos=True)["choices"][0]["token_ids"]
+    # Fill the device with other prefixes until the first one is parked.
+    for p in _prompts(ckpt, 24, offset=200):
+        small.complete(p + p, 16, ignore_eos=True)
+    m = small.metrics()
+    assert m["kern_parked_total"] > 0
+    again = small.complete(first, 16, ignore_eos=True)
+    assert again["choices"][0]["token_ids"] == want
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(first) - 1
+    assert small.metrics()["kern_woken_total"] > 0
+    small.assert_no_leak()
+
+
+def test_small_pool_preempts_and_answers(small, ckpt):
+    # Twelve requests of ~15 pages each on a 64-page pool: decoding runs out of pages, the
+    # youngest are preempted (parked), and every answer still matches kern run.
+    before = small.metrics()["kern_preempted_total"]
+    _concurrent_identity(small, ckpt, _prompts(ckpt, 12, offset=300), 200)
+    assert small.metrics()["kern_preempted_total"] > before
+    small.assert_no_leak()
+    assert small.proc.poll() is None
+
+
+def test_scheduler_crash_exits_101(tmp_path):
+    srv = Server(tmp_path, "crash", pool_bytes="1MiB", env={"KERN_TEST_CRASH_AFTER_STEPS": "3"})
+    try:
+        body = {"model": MODEL, "prompt": "crash", "max_tokens": 50, "stream": True}
+        body.update(temperature=0, ignore_eos=True)
+        t0 = time.monotonic()
+        finish = None
+        try:
+            with srv.http.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        for ch in json.loads(line[6:])["choices"]:
+                            finish = ch["finish_reason"] or finish
+        except httpx.TransportError:
+            pass  # the process may go before the stream's last bytes
+        assert finish in (None, "abort")
+        assert srv.proc.wait(10) == 101
+        assert time.monotonic() - t0 < 10
+        assert "injected failure" in srv.output()
+    finally:
+        srv.close()
