@@ -22,7 +22,6 @@ from kern.tiny import default_model_path
 
 KEY = "test-key"
 MODEL = "tiny"
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _free_port() -> int:
@@ -43,7 +42,8 @@ class Server:
             f'pool_bytes = "{pool_bytes}"\nhost_bytes = "{host_bytes}"\n'
         )
         self.log = open(tmp / f"{name}.log", "w+b")  # noqa: SIM115 - closed in close()
-        env = dict(os.environ, PYTHONPATH=str(REPO / "python"), **(env or {}))
+        # The installed package, as a user runs it (the source tree has no built extension).
+        env = dict(os.environ, **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kern.cli", "serve", "--config", str(config)]
             + ["--target", MODEL, "--port", str(self.port), "--api-key", KEY],
@@ -62,8 +62,9 @@ class Server:
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                output = self.output()
                 self.close()
-                raise RuntimeError(f"server did not start:\n{self.output()}")
+                raise RuntimeError(f"server did not start:\n{output}")
             time.sleep(0.2)
         self.start = self.metrics()
 
