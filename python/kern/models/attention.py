@@ -15,8 +15,12 @@ Design notes
     with the number of keys N (up to 4096), with M >= 2, nor with the batch count (D 16-256).
     The values are one matmul per (unit, KV head, block), [M, KEY_BLOCK] @ [KEY_BLOCK, D]:
     a contraction over all keys at once is not stable (zero-padding 300 keys to 512 changed
-    bits), one of fixed length is. M = 1 differs from M >= 2, so a unit has at least
-    ``MIN_ROWS`` rows, padded by repeating its last row.
+    bits), one of fixed length is. Few rows take other kernels (M = 1 differed from M >= 2
+    on the earlier host; M = 1-3 from M >= 4 on an AMD EPYC one), so a unit has at least
+    ``MIN_ROWS`` rows, padded by repeating its last row. A batch of one matmul goes to the
+    plain gemm, which on that AMD host at 2 threads split M across threads (rows changed for
+    M in 5-11), so a group of one (unit, KV head) is padded with a copy of its unit; every
+    batch count from 2 up gave the same bits.
   - The softmax max is taken over all of a row's scores, hidden ones pushed to -1e30: a max
     is exact whatever the order. exp(s - max) is elementwise (exp agrees in torch's vector
     and scalar loops). Hidden keys get p = 0 exactly, so a block past a row's position adds
@@ -41,9 +45,8 @@ from torch import Tensor
 KEY_BLOCK = 32  # keys per block, in absolute positions of a sequence
 Q_TILE = 64  # query rows per unit when a sequence brings more than SMALL_ROWS rows
 SMALL_ROWS = 8  # sequences with at most this many rows (decode, verify) share one unit group
-# Matmul rows per (unit, KV head) at least: M = 1 takes another kernel. For these batched
-# matmuls every M >= 2 gave the same row bits (D 16-256); linears keep 4 (ops.MIN_ROWS).
-MIN_ROWS = 2
+# Matmul rows per (unit, KV head) at least: fewer take other kernels (see the notes).
+MIN_ROWS = 4
 # Elements of a group's largest intermediate (about units x KV heads x blocks x rows x
 # max(KEY_BLOCK, head_dim)) before prefill tiles go to another group: 8M floats, 32 MB.
 GROUP_BUDGET = 1 << 23
@@ -151,6 +154,9 @@ def _group(
     min_unit_rows,
     layout,
 ) -> _Group:
+    hk, d, page_stride = layout
+    if len(units) * hk < 2:
+        units = [*units, *units]  # a batch of one matmul takes the plain gemm (see notes)
     r = max(max(n for _, _, n in units), min_unit_rows)
     seq = torch.tensor([b for b, _, _ in units])
     t0 = torch.tensor([t for _, t, _ in units])
@@ -171,7 +177,6 @@ def _group(
     # Pages past a unit's context repeat its last page (any real page would do: masked).
     page_idx = torch.minimum(torch.arange(num_pages)[None, :], ((ctx - 1) // page_tokens)[:, None])
     pages = torch.gather(block_tables[seq], 1, page_idx)  # [I, NP]
-    hk, d, page_stride = layout
     # K: row (page, head, dim) of page_tokens keys; V: chunk (page, head) of page_tokens rows
     # of D values, after the K half of the page (see kv_views).
     k_rows = pages[:, None, None, :] * (page_stride // page_tokens) + torch.arange(hk * d).view(

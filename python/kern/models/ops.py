@@ -3,16 +3,23 @@
 Design notes
 ------------
 * ``make_ops(device)`` returns :class:`CpuOps` (float32, torch) or :class:`CudaOps` (bf16,
-  Triton, ``kern.kernels.<op>.<op>``). Models call only ``ops.<name>``; nothing else in the
-  runner looks at the device.
+  Triton, ``kern.kernels.<op>.<op>``); ``make_ops("cpu", reference=True)`` returns
+  :class:`ReferenceOps`, the CUDA wiring over the kernels' torch references, which ``kern
+  test`` checks both fast paths against. Models call only ``ops.<name>``; nothing else in
+  the runner looks at the device.
 * CPU numerics are chosen for batch invariance (DESIGN.md), measured on torch 2.13 / MKL, 2
   threads (see docs/invariance.md):
-  - ``x @ w`` with ``w`` stored transposed ([in, out], contiguous) gives each row bits that do
-    not depend on the row count for 2 <= M <= 128 at every shape tried (K x N up to
-    2048 x 11008, 1024 x 151936); ``F.linear`` on the [out, in] weight does not (its rows
-    changed between M = 13 and M = 16 at 512 x 2048), and neither path is stable past ~160
-    rows at 1024 x 3072. So weights are transposed once at load, and every matmul runs in
-    tiles of at most ``ROW_TILE`` rows, each padded to at least ``MIN_ROWS``.
+  - Linears go through oneDNN with the weight reordered once at load
+    (``torch.ops.mkldnn._linear_pointwise``, what inductor's frozen CPU graphs call): a row's
+    bits were the same for every M from 2 to 8192 at every shape tried (K x N from 64 x 256
+    to 2048 x 11008 and 1024 x 151936, 1 and 2 threads, on an AMD EPYC host), and it ran
+    1.3-2.3x faster than MKL at M = 32 on AMD EPYC (where MKL takes its AVX2 path). M = 1
+    differs (at K = 2048), so one row is padded to 2. MKL's ``x @ w`` is not a safe
+    default: on an AMD EPYC host at 2 threads its rows changed for M in 5-7 and 9-11 (it
+    splits M across threads), though on the earlier host of FACTS.md they held for
+    4 <= M <= 128. It stays only as the fallback for a torch without the oneDNN op: ``w``
+    transposed ([in, out]), tiles of at most ``ROW_TILE`` rows, each padded to ``MIN_ROWS``
+    (12: no M from 12 to 128 changed a row's bits on either host).
   - ``torch.sigmoid``, ``F.silu`` and ``F.softplus`` give different bits in their scalar
     tail loop than in their vectorized body (278 of 7000 sigmoid values differed by 1 ulp),
     and which elements land in the tail depends on the tensor's size, i.e. on the batch.
@@ -31,6 +38,7 @@ Design notes
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +50,31 @@ from kern.models import attention as _cpu_attn
 from kern.models import recurrent as _cpu_rec
 from kern.models.pointwise import sigmoid, silu, softplus
 
-# Rows per matmul tile on the CPU: rows kept their bits for every M in [2, 128] at every
-# shape measured, not always past 160 (see the notes above).
+# The fallback ``x @ w`` path (see the notes above): tiles of at most ROW_TILE rows (rows
+# kept their bits up to 128 on the earlier host, not always past 160), padded to MIN_ROWS.
 ROW_TILE = 128
-# Fewer rows than this take a different MKL kernel (M = 1 differs from M >= 2 everywhere;
-# FACTS.md measured M = 2, 3 differing for F.linear), so short tiles are zero padded.
-MIN_ROWS = 4
+MIN_ROWS = 12
+# oneDNN's rows differ between M = 1 and M >= 2, so a single row is padded to this many.
+ONEDNN_MIN_ROWS = 2
+
+
+def _has_onednn_linear() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class CpuLinear:
+    """A linear's weight as :meth:`CpuOps.linear` runs it: a oneDNN-reordered [out, in]
+    weight (``onednn``) or a plain [in, out] one."""
+
+    weight: Tensor
+    out_features: int
+    onednn: bool
 
 
 class CpuOps:
@@ -57,25 +84,35 @@ class CpuOps:
     dtype = torch.float32
     is_cpu = True
 
-    def prepare_linear(self, w: Tensor) -> Tensor:
-        """A checkpoint's [out, in] weight in the layout :meth:`linear` wants ([in, out])."""
-        return w.to(device=self.device, dtype=self.dtype).t().contiguous()
+    def __init__(self) -> None:
+        self.onednn = _has_onednn_linear()
 
-    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x [M, in] @ w [in, out] in row tiles of at most ROW_TILE, each >= MIN_ROWS rows."""
+    def prepare_linear(self, w: Tensor) -> CpuLinear:
+        """A checkpoint's [out, in] weight in the layout :meth:`linear` runs (see the notes)."""
+        w = w.to(device=self.device, dtype=self.dtype)
+        if self.onednn:
+            # The batch-size hint only tunes the blocked layout; bits matched for 1, 32, 1024.
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32)
+            return CpuLinear(packed, w.shape[0], True)
+        return CpuLinear(w.t().contiguous(), w.shape[0], False)
+
+    def linear(self, x: Tensor, w: CpuLinear, bias: Tensor | None = None) -> Tensor:
+        """x [M, in] through w; a row's bits do not depend on M (see the notes)."""
         m = x.shape[0]
         if m == 0:
-            return x.new_empty(0, w.shape[1])
-        if m <= ROW_TILE:
-            out = _mm_padded(x, w)
+            out = x.new_empty(0, w.out_features)
+        elif w.onednn:
+            out = _pad_rows(x, ONEDNN_MIN_ROWS, lambda a: _onednn(a, w.weight))
+        elif m <= ROW_TILE:
+            out = _pad_rows(x, MIN_ROWS, lambda a: a @ w.weight)
         else:
-            out = x.new_empty(m, w.shape[1])
+            out = x.new_empty(m, w.out_features)
             for i in range(0, m, ROW_TILE):
                 j = min(i + ROW_TILE, m)
                 if j - i >= MIN_ROWS:
-                    torch.mm(x[i:j], w, out=out[i:j])
+                    torch.mm(x[i:j], w.weight, out=out[i:j])
                 else:
-                    out[i:j] = _mm_padded(x[i:j], w)
+                    out[i:j] = _pad_rows(x[i:j], MIN_ROWS, lambda a: a @ w.weight)
         if bias is not None:
             out += bias
         return out
@@ -169,13 +206,18 @@ class CpuOps:
         return _cpu_rec.gated_delta_rule(step.recurrent, q, k, v, g, beta, states, scale, snapshots)
 
 
-def _mm_padded(x: Tensor, w: Tensor) -> Tensor:
+def _onednn(x: Tensor, packed: Tensor) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+
+
+def _pad_rows(x: Tensor, min_rows: int, fn) -> Tensor:
+    """fn(x), run on x zero padded to at least min_rows rows."""
     m = x.shape[0]
-    if m >= MIN_ROWS:
-        return x @ w
-    padded = x.new_zeros(MIN_ROWS, x.shape[1])
+    if m >= min_rows:
+        return fn(x)
+    padded = x.new_zeros(min_rows, x.shape[1])
     padded[:m] = x
-    return (padded @ w)[:m]
+    return fn(padded)[:m]
 
 
 class CudaOps:
@@ -183,16 +225,23 @@ class CudaOps:
 
     dtype = torch.bfloat16
     is_cpu = False
+    # Which module of each kern.kernels.<op> package runs: the Triton wrapper here, the torch
+    # reference in ReferenceOps (same signatures, so the wiring below serves both).
+    kernel_module = "kernel"
 
     def __init__(self, device: torch.device) -> None:
-        # Imported here: triton is only needed (and only importable) where there is a GPU.
-        from kern.kernels.paged_attention import paged_attention as attn
-        from kern.kernels.rms_norm import rms_norm as norm
-        from kern.kernels.rotary import rotary
-        from kern.kernels.silu_and_mul import silu_and_mul as act
-
         self.device = device
-        self._attn, self._norm, self._rotary, self._act = attn, norm, rotary, act
+        self._attn = self._kernel("paged_attention")
+        self._norm = self._kernel("rms_norm")
+        self._rotary = self._kernel("rotary")
+        self._act = self._kernel("silu_and_mul")
+        self._conv = self._kernel("causal_conv1d")
+        self._gdr = self._kernel("gated_delta_rule")
+
+    def _kernel(self, op: str):
+        # Imported here: triton is only needed (and only importable) where there is a GPU.
+        name = op if self.kernel_module == "kernel" else self.kernel_module
+        return importlib.import_module(f"kern.kernels.{op}.{name}")
 
     def prepare_linear(self, w: Tensor) -> Tensor:
         return w.to(device=self.device, dtype=self.dtype).contiguous()
@@ -277,8 +326,6 @@ class CudaOps:
         return plan, first
 
     def causal_conv1d(self, step: Step, x, weight, conv_states, snapshots=None) -> Tensor:
-        from kern.kernels.causal_conv1d import causal_conv1d as conv
-
         p = step.recurrent
         if p.snapshot_seqs and snapshots is not None:
             # The state after each row of a verify chunk is the K-1 inputs ending there:
@@ -290,7 +337,7 @@ class CudaOps:
                 taps = before.shape[2]
                 for i in range(n):
                     snapshots[p.snapshot_first[b] + i] = ext[:, i + 1 : i + 1 + taps]
-        return conv.causal_conv1d(
+        return self._conv.causal_conv1d(
             x.contiguous(),
             weight,
             None,
@@ -301,8 +348,6 @@ class CudaOps:
         )
 
     def gated_delta_rule(self, step: Step, q, k, v, g, beta, states, scale, snapshots=None):
-        from kern.kernels.gated_delta_rule import gated_delta_rule as gdr
-
         p = step.recurrent
         rep = v.shape[1] // k.shape[1]
         # The kernels take value heads for q and k too (see their README), contiguous.
@@ -310,14 +355,14 @@ class CudaOps:
         v = v.contiguous()
         if p.snapshot_seqs and snapshots is not None:
             return self._delta_rule_rows(step, q, k, v, g, beta, states, scale, snapshots)
+        gdr = self._gdr
         fn = gdr.gated_delta_rule_recurrent if p.decode_only else gdr.gated_delta_rule
         return fn(q, k, v, g, beta, states, p.slot_ids, p.query_start_loc, scale=scale)
 
     def _delta_rule_rows(self, step, q, k, v, g, beta, states, scale, snapshots):
         """A step with verify chunks: one recurrent call per row index, so the state after
         every row of a verify chunk can be copied out."""
-        from kern.kernels.gated_delta_rule import gated_delta_rule as gdr
-
+        gdr = self._gdr
         p = step.recurrent
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         for i in range(max(step.q_lens)):
@@ -332,6 +377,22 @@ class CudaOps:
                 if step.q_lens[b] > i:
                     snapshots[p.snapshot_first[b] + i] = states[p.slot_ids[b]]
         return out
+
+
+class ReferenceOps(CudaOps):
+    """The torch reference path: the CUDA backend's wiring with every kernel replaced by its
+    torch reference (``kern.kernels.<op>.reference``) and ``F.linear``, float32 on the CPU.
+
+    Slow (the references loop over sequences in Python) and makes no invariance promise; it
+    is what ``kern test`` checks a target's backend against, since it shares no attention,
+    recurrence or matmul code with either fast path.
+    """
+
+    dtype = torch.float32
+    kernel_module = "reference"
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,8 +430,13 @@ def _query_start_loc(step: Step, device: torch.device) -> Tensor:
 Ops = CpuOps | CudaOps
 
 
-def make_ops(device: str | torch.device) -> Ops:
-    """The backend for ``device``: ``cpu`` or a CUDA device."""
+def make_ops(device: str | torch.device, *, reference: bool = False) -> Ops:
+    """The backend for ``device``: ``cpu`` or a CUDA device; ``reference=True`` gives the
+    torch reference path (:class:`ReferenceOps`, CPU only)."""
+    if reference:
+        if torch.device(device).type != "cpu":
+            raise ValueError("the torch reference path runs on the CPU only")
+        return ReferenceOps()
     device = torch.device(device)
     if device.type == "cpu":
         return CpuOps()
