@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kern import cli
 from kern.checkpoint import load_checkpoint
@@ -194,6 +195,14 @@ def test_kern_test_passes_on_the_default_model(capsys):
     assert "threads=2" in out and out.strip().endswith("passed") and "FAIL" not in out
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5"])
+def test_kern_test_passes_on_every_family(family, tmp_path, capsys):
+    make_tiny(family, tmp_path, seed=5)
+    assert cli.main(["test", "--model", str(tmp_path), "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f": {family}, cpu/float32" in out and "runner vs torch reference: 3 tokens" in out
+
+
 def test_kern_test_fails_when_rows_disagree(monkeypatch, capsys):
     import kern.generate
 
@@ -213,6 +222,62 @@ def test_kern_test_fails_when_rows_disagree(monkeypatch, capsys):
         "chat: rows 2 vs rows 1",
         "text: rows 2 vs rows 1",
         "code: rows 2 vs rows 1",
+    ]
+
+
+def _result(ids, tops):
+    """A GenerateResult whose probe at step s has logits tops[s] (descending) over ids 0.."""
+    from kern.generate import GenerateResult
+
+    probes = {s: (torch.tensor(t), torch.arange(len(t))) for s, t in enumerate(tops)}
+    return GenerateResult(ids, probes)
+
+
+def test_kern_test_compares_the_runner_with_the_reference():
+    ref = _result([0, 0, 1], [[3.0, 1.0], [2.0, 1.0], [2.0, 1.99999]])
+    same = cli._against_reference(
+        "t", _result([0, 0, 1], [[3.0, 1.0], [2.0, 1.0], [2.0, 1.99999]]), ref, 1e-4
+    )
+    assert same.ok and "3 tokens equal; max |logit diff| 0" in same.detail
+    drift = cli._against_reference(
+        "t", _result([0, 0, 1], [[3.0, 1.0], [2.001, 1.0], [2.0, 1.99999]]), ref, 1e-4
+    )
+    assert not drift.ok and "max |logit diff| 0.001" in drift.detail
+    # step 2: the runner picks 0, which the reference has 1e-5 under its top: a near tie
+    tie = cli._against_reference(
+        "t", _result([0, 0, 0], [[3.0, 1.0], [2.0, 1.0], [2.0, 1.9]]), ref, 1e-4
+    )
+    assert (
+        tie.ok and "step 2: runner chose 0, reference 1" in tie.detail and "near tie" in tie.detail
+    )
+    far = cli._against_reference(
+        "t", _result([1, 0, 1], [[3.0, 1.0], [2.0, 1.0], [2.0, 1.9]]), ref, 1e-4
+    )
+    assert (
+        not far.ok
+        and "step 0: runner chose 1, reference 0; the reference puts 1 2 under" in far.detail
+    )
+
+
+def test_kern_test_fails_when_the_runner_leaves_the_reference(monkeypatch, capsys):
+    import kern.generate
+
+    real = kern.generate.generate
+
+    def broken(checkpoint, prompt_ids, steps, *, reference=False, **kwargs):
+        result = real(checkpoint, prompt_ids, steps, reference=reference, **kwargs)
+        if reference:  # a reference whose logits belong to the next token id
+            probes = {s: (v, (i + 1) % 512) for s, (v, i) in result.probes.items()}
+            return type(result)([(t + 1) % 512 for t in result.ids], probes)
+        return result
+
+    monkeypatch.setattr(kern.generate, "generate", broken)
+    assert cli.main(["test", "--steps", "2", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert [c["name"] for c in report["checks"] if not c["ok"]] == [
+        "chat: runner vs torch reference",
+        "text: runner vs torch reference",
+        "code: runner vs torch reference",
     ]
 
 
@@ -294,9 +359,18 @@ def test_config_errors_name_file_and_key(tmp_path, capsys):
     assert f"{toml}: no target 'b' (targets: a)" in err
     toml.write_text(
         '[targets.a]\ncheckpoint = "x"\n[targets.g]\ncheckpoint = "x"\ndevice = "cuda"\n'
+        '[targets.f]\ncheckpoint = "x"\ndevice = "cuda"\ndtype = "float32"\n'
+        '[targets.h]\ncheckpoint = "x"\ndtype = "bfloat16"\n'
     )
-    err = fail(capsys, "test", "--config", str(toml), "--target", "g")
-    assert "target 'g' is cuda/bfloat16: kern run and kern test run cpu/float32 only" in err
+    err = fail(capsys, "test", "--config", str(toml), "--target", "f")
+    assert "target 'f' is cuda/float32: the cuda backend runs bfloat16" in err
+    err = fail(
+        capsys, "run", "--config", str(toml), "--target", "h", "--prompt", "x", "--steps", "1"
+    )
+    assert "target 'h' is cpu/bfloat16: the cpu backend runs float32" in err
+    if not torch.cuda.is_available():
+        err = fail(capsys, "test", "--config", str(toml), "--target", "g")
+        assert "target 'g' runs on cuda, but torch sees no CUDA device here" in err
     err = fail(capsys, "test", "--config", str(toml))
     assert "--config needs --target NAME" in err
     err = fail(capsys, "test", "--config", str(tmp_path / "missing.toml"), "--target", "a")

@@ -13,8 +13,8 @@ Design notes
   K/V are overwritten when the sequence reaches their positions again; a recurrent state is
   rewound with ``Runner.keep_rows``. Identity is bitwise wherever the backend's forward is
   invariant to rows and chunking (the CPU backend, see docs/invariance.md).
-* ``threads`` pins torch's intra-op thread count: float32 results differ between 1 and 2
-  threads on this CPU (FACTS.md), so ``kern run`` and the server must run with the same count.
+* ``threads`` pins torch's intra-op thread count: float32 results can differ between 1 and 2
+  threads (FACTS.md; docs/invariance.md), so ``kern run`` and the server run the same count.
 """
 
 from __future__ import annotations
@@ -85,10 +85,12 @@ def generate(
     page_tokens: int = 16,
     threads: int | None = None,
     device: str = "cpu",
+    reference: bool = False,
 ) -> GenerateResult:
     """Generate ``steps`` tokens after ``prompt_ids`` (greedy unless ``sampling`` says
     otherwise), verifying up to ``rows - 1`` drafted tokens per step, on ``device`` (the
-    checkpoint's tensors are moved there by the runner).
+    checkpoint's tensors are moved there by the runner), or through the torch reference path
+    (``reference=True``, CPU float32, see ``kern.models.ops.ReferenceOps``).
 
     Raises ``ValueError`` for an empty prompt, ``steps < 0`` or ``rows < 1``.
     """
@@ -108,6 +110,7 @@ def generate(
         page_tokens=page_tokens,
         num_slots=1,
         device=device,
+        reference=reference,
     )
     table = list(range(runner.num_pages))
     out: list[int] = []

@@ -47,7 +47,8 @@ class Runner:
 
     ``num_pages`` KV pages of ``page_tokens`` positions each, and ``num_slots`` recurrent
     state slots (needed by stateful families, i.e. qwen3_5; ignored by others). ``dtype``
-    defaults to the backend's (float32 on the CPU, bfloat16 on CUDA).
+    defaults to the backend's (float32 on the CPU, bfloat16 on CUDA). ``reference=True``
+    runs the kernels' torch references instead (CPU, float32; slow, for checking).
     """
 
     def __init__(
@@ -59,10 +60,11 @@ class Runner:
         num_slots: int = 0,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        reference: bool = False,
     ) -> None:
         if num_pages < 1 or page_tokens < 1:
             raise ValueError("num_pages and page_tokens must be positive")
-        self.ops = make_ops(device)
+        self.ops = make_ops(device, reference=reference)
         if dtype is not None and dtype != self.ops.dtype:
             raise ValueError(f"the {self.ops.device.type} backend runs {self.ops.dtype}")
         self.config = c = checkpoint.config
