@@ -13,12 +13,13 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from kern.checkpoint import load_checkpoint
 from kern.cli import probe_ulps
 from kern.generate import generate
-from kern.tiny import default_model_path
+from kern.tiny import default_model_path, make_tiny
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -32,13 +33,20 @@ def _free_port() -> int:
 
 class Server:
     def __init__(
-        self, tmp: Path, name: str, *, pool_bytes: str, host_bytes: str = "0", env=None
+        self,
+        tmp: Path,
+        name: str,
+        *,
+        pool_bytes: str,
+        host_bytes: str = "0",
+        env=None,
+        checkpoint: Path | None = None,
     ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / f"{name}.toml"
         config.write_text(
-            f'[targets.{MODEL}]\ncheckpoint = "{default_model_path()}"\n'
+            f'[targets.{MODEL}]\ncheckpoint = "{checkpoint or default_model_path()}"\n'
             f'pool_bytes = "{pool_bytes}"\nhost_bytes = "{host_bytes}"\n'
         )
         self.log = open(tmp / f"{name}.log", "w+b")  # noqa: SIM115 - closed in close()
@@ -90,12 +98,17 @@ class Server:
                 return m
             time.sleep(0.05)
 
-    def assert_no_leak(self) -> None:
+    def assert_no_leak(self, min_slots: int | None = None) -> None:
+        """Nothing held once idle: every page is free or cached in the tree (evictable,
+        unlocked). On a stateful model (``min_slots``: the slots it starts with) the tree's
+        state snapshots sit in chunks the slots took from the pages; this form assumes the
+        fixture's layout of one page or one slot per chunk."""
         m = self.idle_metrics()
         assert m["kern_pool_pages_held"] == 0
         assert m["kern_pool_slots_held"] == 0
-        # Every page is back: free, or cached in the tree (evictable, unlocked).
-        assert m["kern_pool_pages_free"] + m["kern_pool_pages_cached"] == (
+        # Empty slot chunks count in pages_free already (the pages may take them back).
+        taken = 0 if min_slots is None else max(0, m["kern_pool_slots_cached"] - min_slots)
+        assert m["kern_pool_pages_free"] + m["kern_pool_pages_cached"] + taken == (
             self.start["kern_pool_pages_free"] + self.start["kern_pool_pages_cached"]
         )
 
@@ -399,6 +412,96 @@ def test_small_pool_preempts_and_answers(small, ckpt):
     assert small.metrics()["kern_preempted_total"] > before
     small.assert_no_leak()
     assert small.proc.poll() is None
+
+
+def test_hang_up_while_queued_frees(small, ckpt):
+    # Each request needs 54 of the 64 pages, so they run one at a time and the rest queue.
+    # The last one's client hangs up while it waits: it is aborted without ever running.
+    gen = np.random.default_rng(7)
+    prompts = [gen.integers(10, 500, 800).tolist() for _ in range(4)]
+    before = small.metrics()
+    body = {"model": MODEL, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    body["return_token_ids"] = True
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(small.complete, p, 60, ignore_eos=True) for p in prompts[:3]]
+        _wait_for(lambda m: m["kern_waiting"] >= 2, small)
+        with small.http.stream(
+            "POST", "/v1/completions", json={**body, "prompt": prompts[3], "stream": True}
+        ) as r:
+            assert r.status_code == 200
+            # First come, first served: with another still waiting, this one (queued after
+            # it, or about to be) has not run when its client goes.
+            assert small.metrics()["kern_waiting"] >= 2
+        outs = [f.result() for f in running]
+    m = small.idle_metrics()
+    assert m["kern_aborted_total"] == before["kern_aborted_total"] + 1
+    # It never ran: its 800 prompt tokens were never counted as admitted.
+    assert m["kern_prompt_tokens_total"] == before["kern_prompt_tokens_total"] + 3 * 800
+    for p, out in zip(prompts, outs, strict=False):
+        assert out["choices"][0]["token_ids"] == generate(ckpt, p, 60, page_tokens=16).ids
+    small.assert_no_leak()
+
+
+def _wait_for(cond, srv, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond(srv.metrics()):
+        assert time.monotonic() < deadline, srv.metrics()
+        time.sleep(0.02)
+
+
+# --- qwen3_5: recurrent states in slots, snapshots at request end ----------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_ckpt(tmp_path_factory):
+    return load_checkpoint(make_tiny("qwen3_5", tmp_path_factory.mktemp("q35"), seed=3))
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory, hybrid_ckpt):
+    # 1 MiB: 64 chunks of one 16 KB page or one 11 KB state slot (so a chunk the slots take
+    # is one page less); 4 MiB of host tier.
+    s = Server(
+        tmp_path_factory.mktemp("hybrid"),
+        "hybrid",
+        pool_bytes="1MiB",
+        host_bytes="4MiB",
+        checkpoint=hybrid_ckpt.path,
+    )
+    yield s
+    s.close()
+
+
+def test_hybrid_concurrent_identical(hybrid, hybrid_ckpt):
+    _concurrent_identity(hybrid, hybrid_ckpt, _prompts(hybrid_ckpt, 8, offset=500), 24)
+    hybrid.assert_no_leak(min_slots=2)
+
+
+def test_hybrid_next_turn_resumes_from_the_snapshot(hybrid, hybrid_ckpt):
+    tok = hybrid_ckpt.tokenizer
+    prompt = tok.encode("A recurrent model resumes a conversation from its state")
+    first = hybrid.complete(prompt, 12, ignore_eos=True)
+    answer = first["choices"][0]["token_ids"]
+    assert answer == generate(hybrid_ckpt, prompt, 12, page_tokens=16).ids
+    # The request-end snapshot sits after all but the last answer token: the next turn
+    # starts from it (a recurrent state cannot be cut shorter).
+    turn = prompt + answer + tok.encode(" go on")
+    nxt = hybrid.complete(turn, 8, ignore_eos=True)
+    assert nxt["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) + 11
+    assert nxt["choices"][0]["token_ids"] == generate(hybrid_ckpt, turn, 8, page_tokens=16).ids
+    hybrid.assert_no_leak(min_slots=2)
+
+
+def test_hybrid_small_pool_preempts_parks_and_answers(hybrid, hybrid_ckpt):
+    # Eight requests of ~10 pages and a slot each on 64 chunks: decoding runs out, the
+    # youngest are preempted with their states parked, and every answer matches kern run.
+    before = hybrid.metrics()
+    _concurrent_identity(hybrid, hybrid_ckpt, _prompts(hybrid_ckpt, 8, offset=600), 150)
+    m = hybrid.metrics()
+    assert m["kern_preempted_total"] > before["kern_preempted_total"]
+    assert m["kern_parked_total"] > before["kern_parked_total"]
+    hybrid.assert_no_leak(min_slots=2)
+    assert hybrid.proc.poll() is None
 
 
 def test_scheduler_crash_exits_101(tmp_path):

@@ -10,7 +10,9 @@ Design notes
 * Pool gauges are a copy of ``Cache.stats()`` the scheduler takes after every step (the cache
   is not shared across threads: PyO3 refuses a second borrow), so they are exact after the last
   request ends: ``kern_pool_pages_held`` (pages requests hold, neither free nor
-  cached) is back at 0 then, and ``kern_pool_pages_free + kern_pool_pages_cached`` at the total.
+  cached) is back at 0 then, and ``kern_pool_pages_free + kern_pool_pages_cached`` at the total
+  (on a stateful model, less the chunks the slots took for the cache's state snapshots,
+  ``kern_pool_slots_cached``).
 """
 
 from __future__ import annotations

@@ -249,6 +249,7 @@ class Scheduler:
             "kern_pool_slots_total": s.slot_capacity,
             "kern_pool_slots_free": s.slots_free,
             "kern_pool_slots_held": s.slots_used - s.resident_states,
+            "kern_pool_slots_cached": s.resident_states,
             "kern_host_pages_free": s.host_pages_free,
             "kern_host_pages_parked": s.parked_pages,
             "kern_cache_nodes": s.num_nodes,
