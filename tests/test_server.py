@@ -260,6 +260,30 @@ def test_sampling_parameters(server, ckpt):
     server.assert_no_leak()
 
 
+def test_kern_bench_against_the_server(server):
+    out = subprocess.run(
+        [sys.executable, "-m", "kern.cli", "bench", "--url", server.url, "--api-key", KEY]
+        + ["--concurrency", "1,3", "--requests", "3", "--prompt-tokens", "24"]
+        + ["--shared-prefix", "16", "--max-tokens", "6", "--json"]
+        + ["--baseline-model", str(default_model_path())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    table, js = out.stdout.strip().rsplit("\n", 1)
+    assert "| conc | req/s | out tok/s |" in table and "server/runner" in table
+    rows = json.loads(js)
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["requests"] == 3 and r["output_tok_s"] > 0
+        assert r["runner_tok_s"] > 0 and r["sched_tok_s"] > 0 and r["ratio"] > 0
+    # The second and third requests of a level share the first's 16-token prefix (a page).
+    assert rows[0]["cached_ratio"] > 0
+    assert "concurrency 3" in out.stderr  # the progress bar
+    server.assert_no_leak()
+
+
 def test_other_routes(server):
     t = server.http.post("/tokenize", json={"prompt": "hello world"}).json()
     assert t["count"] == len(t["tokens"]) > 0

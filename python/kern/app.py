@@ -41,7 +41,7 @@ from typing import Any
 from kern import api
 from kern.api import ApiError
 from kern.sampler import SamplingParams
-from kern.scheduler import Event, LimitError, Request, Scheduler, build
+from kern.scheduler import Event, LimitError, Request, Scheduler, build, start_scheduler
 
 __all__ = ["App", "app"]
 
@@ -133,10 +133,9 @@ class App:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 try:
-                    await asyncio.to_thread(self._load)
                     self.loop = asyncio.get_running_loop()
-                    assert self.scheduler is not None
-                    self.scheduler.start()
+                    # Built on the scheduler's own thread: every torch op runs there.
+                    self.scheduler = await asyncio.to_thread(start_scheduler, self._load)
                 except Exception as e:
                     traceback.print_exc()
                     await send({"type": "lifespan.startup.failed", "message": str(e)})
@@ -148,7 +147,7 @@ class App:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    def _load(self) -> None:
+    def _load(self) -> Scheduler:
         from kern.tiny import default_model_path
         from kern.toml_config import Target, load_toml_config
 
@@ -173,7 +172,7 @@ class App:
         self.tokenizer = ckpt.tokenizer
         self.vocab_size = ckpt.config.vocab_size
         self.max_model_len = ckpt.config.max_position_embeddings
-        self.scheduler = Scheduler(
+        return Scheduler(
             runner,
             cache,
             eos_token_ids=ckpt.tokenizer.eos_token_ids,

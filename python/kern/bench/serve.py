@@ -7,10 +7,13 @@ Design notes
   where a user sees them: TTFT from sending to the first token, TPOT the mean gap after it.
 * Prompts are token ids drawn from a seeded generator, with a shared prefix for a share of
   them (``--shared-prefix``), so the cached-token ratio measures the prefix cache too.
-* ``--baseline-model DIR`` also times ``Runner.forward`` decoding a batch of ``concurrency``
+* ``--baseline-model DIR`` also runs, before the load, the scheduler in this process on the
+  same prompts with no HTTP (``scheduler tok/s``: prefill and scheduling included), and
+  times ``Runner.forward`` decoding a batch of ``concurrency``
   sequences in this process (same page size and thread count as the server's default), the
-  ceiling the server's output tokens/s is compared with: the gap is what scheduling and HTTP
-  cost. Run it on an otherwise idle machine: it shares the CPU with the server.
+  ceiling the server's output tokens/s is compared with: the gap is what scheduling, prefill
+  and HTTP cost. It runs before the load, while the server is idle; run the bench on an
+  otherwise idle machine (the client's own SSE parsing still shares the CPU with the server).
 """
 
 from __future__ import annotations
@@ -63,33 +66,49 @@ def run(args: argparse.Namespace) -> int:
         levels = [int(x) for x in args.concurrency.split(",")]
     except ValueError:
         raise UsageError(f"--concurrency {args.concurrency!r}: expected e.g. 1,12,64") from None
-    rows = asyncio.run(_bench(args, levels))
+    prompt_sets = _prompt_sets(args, levels)
+    # The baselines first, while the server is idle: measured after the load they shared the
+    # CPU with whatever the server was still doing, and came out 2-6x low.
+    runner, sched = {}, {}
     if args.baseline_model:
-        for row in rows:
-            row["runner_tok_s"] = _runner_rate(args, row["concurrency"])
-            row["ratio"] = row["output_tok_s"] / row["runner_tok_s"]
+        runner, sched = _on_one_thread(lambda: _baselines(args, levels, prompt_sets))
+    rows = asyncio.run(_bench(args, levels, prompt_sets))
+    for row in rows:
+        level = row["concurrency"]
+        if level in runner:
+            row["runner_tok_s"] = runner[level]
+            row["sched_tok_s"] = sched[level]
+            row["ratio"] = row["output_tok_s"] / runner[level]
+            row["sched_ratio"] = sched[level] / runner[level]
     _print_table(rows)
     if args.json:
         print(json.dumps(rows))
     return 0
 
 
-async def _bench(args: argparse.Namespace, levels: list[int]) -> list[dict]:
+def _prompt_sets(args: argparse.Namespace, levels: list[int]) -> list[list[list[int]]]:
+    """The prompts of each level, from the seed: a shared prefix, then random ids."""
+    vocab_hi = 256  # byte tokens exist in every kern tokenizer
+    rng = random.Random(args.seed)
+    shared = [rng.randrange(vocab_hi) for _ in range(args.shared_prefix)]
+    rest = args.prompt_tokens - len(shared)
+    return [
+        [shared + [rng.randrange(vocab_hi) for _ in range(rest)] for _ in range(args.requests)]
+        for _ in levels
+    ]
+
+
+async def _bench(
+    args: argparse.Namespace, levels: list[int], prompt_sets: list[list[list[int]]]
+) -> list[dict]:
     import httpx
     from tqdm import tqdm
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        vocab_hi = 256  # byte tokens exist in every kern tokenizer
-        rng = random.Random(args.seed)
-        shared = [rng.randrange(vocab_hi) for _ in range(args.shared_prefix)]
         rows = []
-        for level in levels:
-            prompts = [
-                shared + [rng.randrange(vocab_hi) for _ in range(args.prompt_tokens - len(shared))]
-                for _ in range(args.requests)
-            ]
+        for level, prompts in zip(levels, prompt_sets, strict=True):
             sem = asyncio.Semaphore(level)
             bar = tqdm(total=args.requests, desc=f"concurrency {level}", file=sys.stderr)
 
@@ -167,8 +186,11 @@ def _row(level: int, results: list[_Result], wall: float) -> dict:
     }
 
 
-def _runner_rate(args: argparse.Namespace, batch: int, steps: int = 32) -> float:
-    """Decode tokens/s of ``Runner.forward`` over ``batch`` sequences, in this process."""
+def _runner_rate(args: argparse.Namespace, batch: int, repeat: int = 2) -> float:
+    """Decode tokens/s of ``Runner.forward`` over ``batch`` sequences, in this process: the
+    best of ``repeat`` runs of ``max_tokens`` steps from the prompt's end, so the contexts
+    are the ones the load's requests decode at (the scheduler's decode shapes, built from
+    Python values and sampled greedily every step)."""
     import torch
 
     from kern.batch import SeqChunk
@@ -186,14 +208,103 @@ def _runner_rate(args: argparse.Namespace, batch: int, steps: int = 32) -> float
     prompt = [1] * args.prompt_tokens
     runner.forward([SeqChunk(prompt, 0, t, slot=i) for i, t in enumerate(tables)])
     params = [GREEDY] * batch
-    toks = [1] * batch
     pos = args.prompt_tokens
-    n = min(steps, args.max_tokens)
-    t0 = time.perf_counter()
-    for s in range(n):
-        batch_chunks = [SeqChunk([toks[i]], pos + s, t, slot=i) for i, t in enumerate(tables)]
-        toks = sample(runner.forward(batch_chunks), params, [s] * batch).tolist()
-    return batch * n / (time.perf_counter() - t0)
+    n = args.max_tokens
+    best = float("inf")
+    for _ in range(repeat):
+        toks = [1] * batch
+        t0 = time.perf_counter()
+        for s in range(n):
+            chunks = [SeqChunk([toks[i]], pos + s, t, slot=i) for i, t in enumerate(tables)]
+            toks = sample(runner.forward(chunks), params, [s] * batch).tolist()
+        best = min(best, time.perf_counter() - t0)
+    return batch * n / best
+
+
+def _on_one_thread(fn):
+    """fn() on a new thread, its result returned: every torch op of the baselines runs on
+    one thread, as in the server (see ``kern.scheduler.start_scheduler``)."""
+    import threading
+
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(_result_or_error(fn)))
+    thread.start()
+    thread.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def _result_or_error(fn):
+    try:
+        return fn()
+    except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
+        return e
+
+
+def _baselines(args, levels, prompt_sets) -> tuple[dict[int, float], dict[int, float]]:
+    runner = {level: _runner_rate(args, level) for level in levels}
+    return runner, _scheduler_rates(args, levels, prompt_sets)
+
+
+def _scheduler_rates(
+    args: argparse.Namespace, levels: list[int], prompt_sets: list[list[list[int]]]
+) -> dict[int, float]:
+    """Output tokens/s of the scheduler, no HTTP, its loop on the calling thread: each
+    level's prompts with at most ``level`` in flight (a new one submitted as one finishes),
+    levels in order on one cache as the server sees them. Between the runner's decode rate
+    and the server's rate, it splits what prefill and scheduling cost from what HTTP costs."""
+    from pathlib import Path
+
+    from kern.scheduler import Request, Scheduler, build
+    from kern.toml_config import Target
+
+    target = Target(
+        name="baseline", checkpoint=Path(args.baseline_model).resolve(), threads=args.threads
+    )
+    ckpt, runner, cache = build(target)
+    rates: dict[int, float] = {}
+    state: dict = {"level": -1}
+
+    def submit() -> None:
+        prompt = state["prompts"][state["next"]]
+        state["next"] += 1
+        sched.submit(Request(prompt, args.max_tokens, ignore_eos=True))
+
+    def next_level() -> None:
+        if state["level"] >= 0:
+            rates[levels[state["level"]]] = state["tokens"] / (time.perf_counter() - state["t0"])
+        state["level"] += 1
+        if state["level"] == len(levels):
+            sched.stop()  # from the loop's own thread: ends it after this step
+            return
+        prompts = prompt_sets[state["level"]]
+        state.update(prompts=prompts, next=0, finished=0, tokens=0, t0=time.perf_counter())
+        for _ in range(min(levels[state["level"]], len(prompts))):
+            submit()
+
+    def deliver(events) -> None:
+        for _, (token, _, finish) in events:
+            state["tokens"] += token is not None
+            if finish is not None:
+                state["finished"] += 1
+                if state["next"] < len(state["prompts"]):
+                    submit()
+                elif state["finished"] == len(state["prompts"]):
+                    next_level()
+
+    sched = Scheduler(
+        runner,
+        cache,
+        eos_token_ids=ckpt.tokenizer.eos_token_ids,
+        max_model_len=ckpt.config.max_position_embeddings,
+        deliver=deliver,
+    )
+    next_level()
+    sched.run()
+    if sched.failed is not None:
+        raise RuntimeError("the scheduler failed") from sched.failed
+    return rates
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -208,7 +319,12 @@ def _print_table(rows: list[dict]) -> None:
         ("cached_ratio", "cached", "{:.2f}"),
     ]
     if rows and "runner_tok_s" in rows[0]:
-        cols += [("runner_tok_s", "runner tok/s", "{:.1f}"), ("ratio", "server/runner", "{:.2f}")]
+        cols += [
+            ("runner_tok_s", "runner tok/s", "{:.1f}"),
+            ("sched_tok_s", "scheduler tok/s", "{:.1f}"),
+            ("sched_ratio", "scheduler/runner", "{:.2f}"),
+            ("ratio", "server/runner", "{:.2f}"),
+        ]
     print("| " + " | ".join(h for _, h, _ in cols) + " |")
     print("|" + "|".join(" ---: " for _ in cols) + "|")
     for row in rows:
