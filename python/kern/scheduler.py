@@ -56,9 +56,12 @@ from kern.sampler import SamplingParams, sample
 
 __all__ = ["Event", "LimitError", "Request", "Scheduler", "build", "start_scheduler"]
 
-# The device budget when a target names none: enough for the tiny models kern ships and
-# benchmarks on the CPU (the runner zero-fills it at start, so it is not free to oversize).
+# The CPU's device budget when a target names none: enough for the tiny models kern ships
+# and benchmarks (the runner zero-fills it at start, so it is not free to oversize).
 DEFAULT_POOL_BYTES = 256 * 2**20
+# On CUDA with no pool_bytes: this share of the memory free once the weights are loaded
+# (the rest is left to activations and the allocator's slack).
+CUDA_FREE_SHARE = 0.85
 
 # An event for one request: (token id or None, logprob entry or None, finish reason or None).
 # A logprob entry is (logprob of the token, [(id, logprob), ...] of the top ones).
@@ -584,6 +587,13 @@ def start_scheduler(make: Callable[[], Scheduler]) -> Scheduler:
     return box[0]
 
 
+def _default_pool_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * CUDA_FREE_SHARE)
+    return DEFAULT_POOL_BYTES
+
+
 def _decode_first(req: Request) -> tuple[int, int]:
     return (len(req.tokens) - req.num_computed > 1, req.order)
 
@@ -628,7 +638,7 @@ def build(target: Any) -> tuple[Any, Runner, Cache]:
             conv_dim * (c.linear_conv_kernel_dim - 1) * elsize
             + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
         )
-    device_bytes = target.pool_bytes or DEFAULT_POOL_BYTES
+    device_bytes = target.pool_bytes or _default_pool_bytes(target.device)
     cache = Cache(
         page_tokens=target.page_tokens,
         page_bytes=page_bytes,

@@ -73,7 +73,8 @@ class Target:
     checkpoint: Path
     dtype: str = "float32"
     device: str = "cpu"
-    # None: the server sizes the pool from the device's free memory.
+    # None: on CUDA the server takes 85% of the memory free after loading the weights; on
+    # the CPU a fixed 256 MiB (kern.scheduler.DEFAULT_POOL_BYTES).
     pool_bytes: int | None = None
     host_bytes: int = 0
     page_tokens: int = 16
