@@ -393,6 +393,24 @@ def test_repeat_and_next_turn_hit(server, ckpt):
     server.assert_no_leak()
 
 
+def test_running_requests_share_a_prompt(server, ckpt):
+    # A's prompt pages enter the cache once prefilled: B, sent while A still decodes, hits
+    # them (before, B hit nothing until A ended).
+    tok = ckpt.tokenizer
+    system = tok.encode("You are a helpful assistant. Answer briefly and politely, please. " * 3)
+    body = {"model": MODEL, "prompt": system + tok.encode(" Q1"), "max_tokens": 300}
+    body.update(temperature=0, ignore_eos=True, stream=True)
+    with server.http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # A is decoding
+        b_prompt = system + tok.encode(" Q2")
+        b = server.complete(b_prompt, 8, ignore_eos=True)
+        assert server.metrics()["kern_running"] >= 1  # A had not finished
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(system) // 16 * 16
+    assert b["choices"][0]["token_ids"] == generate(ckpt, b_prompt, 8, page_tokens=16).ids
+    server.assert_no_leak()
+
+
 def test_hang_up_mid_stream_frees(server, ckpt):
     before = server.metrics()["kern_aborted_total"]
     body = {"model": MODEL, "prompt": "hang up", "max_tokens": 4000, "stream": True}

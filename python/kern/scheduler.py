@@ -18,6 +18,9 @@ Design notes
   parked hit is woken and its plan landed first; a hit ending mid-page has its shared page
   copied before anything is written past it. On a stateful model (qwen3_5) a hit is usable only
   where a state snapshot sits, and the snapshot is copied into the request's own slot.
+* Prefill pages are shared at once (stateless models): the full pages a prefill chunk
+  computed go into the tree right after the step, the request locking their node, so a
+  request that arrives while another with the same system prompt runs hits it.
 * Preemption: a decode that needs a page when nothing is evictable preempts the youngest
   running request. Its computed tokens and pages go into the prefix tree (with its state, on a
   stateful model), it unlocks, and it goes back to the head of the queue. The tree's make-room
@@ -403,6 +406,25 @@ class Scheduler:
         req.block_table = []
         req.num_computed = 0
 
+    def _share_prefill(self, req: Request) -> None:
+        """Give the full pages a prefill chunk just computed to the tree at once, so requests
+        arriving while this one runs hit them (a shared system prompt), not only after it
+        ends. The request keeps reading them through its block table under a lock on their
+        node; what the tree already held stays the request's own, and ``_release`` frees it
+        as the duplicate it is. (A stateful model shares only at exact state snapshots.)"""
+        cache = self.cache
+        n = req.num_computed // self.pt * self.pt
+        if n == 0:
+            return
+        key = _u32(req.tokens[:n])
+        cache.insert(key, _u32(req.block_table[: n // self.pt]), None)
+        node = cache.match(key).node
+        assert node is not None  # the tree holds key now, resident or parked
+        cache.lock(node)
+        if req.node is not None:
+            cache.unlock(req.node)
+        req.node = node
+
     # --- admission ------------------------------------------------------------------------
 
     def _admit(self) -> None:
@@ -508,6 +530,8 @@ class Scheduler:
         rows = [r for (r, k) in plan if r.num_computed + k == len(r.tokens)]
         for req, k in plan:
             req.num_computed += k
+            if k > 1 and not self.stateful:
+                self._share_prefill(req)
         if not rows:
             return
         picked = sample(logits, [r.params for r in rows], [r.num_output for r in rows])
