@@ -599,11 +599,7 @@ def _against_reference(kind: str, base, ref, atol: float) -> _Check:
                 return _Check(name, True, f"{detail} (a near tie, within {atol:g})")
             return _Check(name, False, detail)
         worst = max(worst, _probe_diff(base.probes[s], ref.probes[s]))
-    return _Check(
-        name,
-        worst <= atol,
-        f"{len(base.ids)} tokens equal; max |logit diff| {worst:.3g} (limit {atol:g})",
-    )
+    return _tokens_equal(name, len(base.ids), worst, atol)
 
 
 def _gap_to_top(values, ids, token: int) -> float | None:
@@ -625,11 +621,12 @@ def _decode_vs_prefill(kind: str, ckpt, prompt, base, atol: float, run, generate
                 name, False, f"step {s}: decode chose {base.ids[s]}, prefill {fresh.ids[0]}"
             )
         worst = max(worst, _probe_diff(base.probes[s], fresh.probes[0]))
-    return _Check(
-        name,
-        worst <= atol,
-        f"{len(base.ids)} tokens equal; max |logit diff| {worst:.3g} (limit {atol:g})",
-    )
+    return _tokens_equal(name, len(base.ids), worst, atol)
+
+
+def _tokens_equal(name: str, n: int, worst: float, atol: float) -> _Check:
+    detail = f"{n} tokens equal; max |logit diff| {worst:.3g} (limit {atol:g})"
+    return _Check(name, worst <= atol, detail)
 
 
 def _probe_diff(a, b) -> float:

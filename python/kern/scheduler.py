@@ -40,6 +40,7 @@ Design notes
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import traceback
@@ -162,14 +163,9 @@ class Scheduler:
 
     # --- the app's side (any thread) ------------------------------------------------------
 
-    def start(self) -> None:
-        """Run the loop on a thread of its own. Prefer :func:`start_scheduler`, which also
-        builds the scheduler there (see its note on threads)."""
-        thread = threading.Thread(target=self.run, name="kern-scheduler", daemon=True)
-        thread.start()
-
     def run(self) -> None:
-        """Run the loop on the calling thread until :meth:`stop` (or a crash)."""
+        """Run the loop on the calling thread until :meth:`stop` (or a crash); the thread
+        that built the scheduler, see :func:`start_scheduler`."""
         self._thread = threading.current_thread()
         self._run()
 
@@ -590,25 +586,22 @@ def start_scheduler(make: Callable[[], Scheduler]) -> Scheduler:
     the ~30M bench model, 44 ms when loaded and run on one thread, 118 ms when loaded on
     another.
     """
-    box: list[Scheduler | BaseException] = []
-    ready = threading.Event()
+    built: queue.Queue[Scheduler | BaseException] = queue.Queue(maxsize=1)
 
     def main() -> None:
         try:
             sched = make()
         except BaseException as e:  # noqa: BLE001 - handed to the caller, re-raised there
-            box.append(e)
-            ready.set()
+            built.put(e)
             return
-        box.append(sched)
-        ready.set()
+        built.put(sched)
         sched.run()
 
     threading.Thread(target=main, name="kern-scheduler", daemon=True).start()
-    ready.wait()
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
+    got = built.get()
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 def _default_pool_bytes(device: str) -> int:

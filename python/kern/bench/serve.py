@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     # CPU with whatever the server was still doing, and came out 2-6x low.
     runner, sched = {}, {}
     if args.baseline_model:
-        runner, sched = _on_one_thread(lambda: _baselines(args, levels, prompt_sets))
+        runner, sched = _baselines(args, levels, prompt_sets)
     rows = asyncio.run(_bench(args, levels, prompt_sets))
     for row in rows:
         level = row["concurrency"]
@@ -186,24 +186,18 @@ def _row(level: int, results: list[_Result], wall: float) -> dict:
     }
 
 
-def _runner_rate(args: argparse.Namespace, batch: int, repeat: int = 2) -> float:
-    """Decode tokens/s of ``Runner.forward`` over ``batch`` sequences, in this process: the
-    best of ``repeat`` runs of ``max_tokens`` steps from the prompt's end, so the contexts
-    are the ones the load's requests decode at (the scheduler's decode shapes, built from
-    Python values and sampled greedily every step)."""
-    import torch
-
+def _runner_rate(args: argparse.Namespace, runner, batch: int, repeat: int = 2) -> float:
+    """Decode tokens/s of ``runner.forward`` over ``batch`` sequences: the best of ``repeat``
+    runs of ``max_tokens`` steps from the prompt's end, so the contexts are the ones the
+    load's requests decode at (the scheduler's decode shapes, built from Python values and
+    sampled greedily every step). Uses the runner's first pages: the cache is still empty."""
     from kern.batch import SeqChunk
-    from kern.checkpoint import load_checkpoint
-    from kern.runner import Runner
     from kern.sampler import GREEDY, sample
 
-    torch.set_num_threads(args.threads)
-    ckpt = load_checkpoint(args.baseline_model)
-    pt = 16
-    ctx = args.prompt_tokens + args.max_tokens
-    per_seq = -(-ctx // pt)
-    runner = Runner(ckpt, num_pages=batch * per_seq, page_tokens=pt, num_slots=batch)
+    pt = runner.page_tokens
+    per_seq = -(-(args.prompt_tokens + args.max_tokens) // pt)
+    if batch * per_seq > runner.num_pages or (runner.stateful and batch > runner.num_slots):
+        raise SystemExit(f"--baseline-model: the default pool is too small for batch {batch}")
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     prompt = [1] * args.prompt_tokens
     runner.forward([SeqChunk(prompt, 0, t, slot=i) for i, t in enumerate(tables)])
@@ -221,62 +215,55 @@ def _runner_rate(args: argparse.Namespace, batch: int, repeat: int = 2) -> float
     return batch * n / best
 
 
-def _on_one_thread(fn):
-    """fn() on a new thread, its result returned: every torch op of the baselines runs on
-    one thread, as in the server (see ``kern.scheduler.start_scheduler``)."""
-    import threading
-
-    out: list = []
-    thread = threading.Thread(target=lambda: out.append(_result_or_error(fn)))
-    thread.start()
-    thread.join()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
-
-
-def _result_or_error(fn):
-    try:
-        return fn()
-    except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
-        return e
-
-
-def _baselines(args, levels, prompt_sets) -> tuple[dict[int, float], dict[int, float]]:
-    runner = {level: _runner_rate(args, level) for level in levels}
-    return runner, _scheduler_rates(args, levels, prompt_sets)
-
-
-def _scheduler_rates(
+def _baselines(
     args: argparse.Namespace, levels: list[int], prompt_sets: list[list[list[int]]]
-) -> dict[int, float]:
-    """Output tokens/s of the scheduler, no HTTP, its loop on the calling thread: each
-    level's prompts with at most ``level`` in flight (a new one submitted as one finishes),
-    levels in order on one cache as the server sees them. Between the runner's decode rate
-    and the server's rate, it splits what prefill and scheduling cost from what HTTP costs."""
+) -> tuple[dict[int, float], dict[int, float]]:
+    """Per level, the runner's batched decode rate and the scheduler's output rate (no
+    HTTP, at most ``level`` in flight, a new request submitted as one finishes, levels in
+    order on one cache as the server sees them). Both on the scheduler's thread, which also
+    loads the model, as in the server (see ``kern.scheduler.start_scheduler``)."""
+    import threading
     from pathlib import Path
 
-    from kern.scheduler import Request, Scheduler, build
+    from kern.scheduler import Request, Scheduler, build, start_scheduler
     from kern.toml_config import Target
 
     target = Target(
         name="baseline", checkpoint=Path(args.baseline_model).resolve(), threads=args.threads
     )
-    ckpt, runner, cache = build(target)
+    runner_rates: dict[int, float] = {}
     rates: dict[int, float] = {}
     state: dict = {"level": -1}
+    done = threading.Event()
+
+    def make() -> Scheduler:
+        ckpt, runner, cache = build(target)
+        for level in levels:
+            runner_rates[level] = _runner_rate(args, runner, level)
+        state["sched"] = Scheduler(
+            runner,
+            cache,
+            eos_token_ids=ckpt.tokenizer.eos_token_ids,
+            max_model_len=ckpt.config.max_position_embeddings,
+            deliver=deliver,
+            on_crash=lambda e: done.set(),
+        )
+        # Queued before the loop starts; later levels are submitted from deliver, so only
+        # the scheduler's thread ever touches state.
+        next_level()
+        return state["sched"]
 
     def submit() -> None:
         prompt = state["prompts"][state["next"]]
         state["next"] += 1
-        sched.submit(Request(prompt, args.max_tokens, ignore_eos=True))
+        state["sched"].submit(Request(prompt, args.max_tokens, ignore_eos=True))
 
     def next_level() -> None:
         if state["level"] >= 0:
             rates[levels[state["level"]]] = state["tokens"] / (time.perf_counter() - state["t0"])
         state["level"] += 1
         if state["level"] == len(levels):
-            sched.stop()  # from the loop's own thread: ends it after this step
+            done.set()
             return
         prompts = prompt_sets[state["level"]]
         state.update(prompts=prompts, next=0, finished=0, tokens=0, t0=time.perf_counter())
@@ -293,18 +280,12 @@ def _scheduler_rates(
                 elif state["finished"] == len(state["prompts"]):
                     next_level()
 
-    sched = Scheduler(
-        runner,
-        cache,
-        eos_token_ids=ckpt.tokenizer.eos_token_ids,
-        max_model_len=ckpt.config.max_position_embeddings,
-        deliver=deliver,
-    )
-    next_level()
-    sched.run()
+    sched = start_scheduler(make)
+    done.wait()
+    sched.stop()
     if sched.failed is not None:
         raise RuntimeError("the scheduler failed") from sched.failed
-    return rates
+    return runner_rates, rates
 
 
 def _print_table(rows: list[dict]) -> None:

@@ -225,9 +225,6 @@ class CudaOps:
 
     dtype = torch.bfloat16
     is_cpu = False
-    # Which module of each kern.kernels.<op> package runs: the Triton wrapper here, the torch
-    # reference in ReferenceOps (same signatures, so the wiring below serves both).
-    kernel_module = "kernel"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -239,9 +236,10 @@ class CudaOps:
         self._gdr = self._kernel("gated_delta_rule")
 
     def _kernel(self, op: str):
-        # Imported here: triton is only needed (and only importable) where there is a GPU.
-        name = op if self.kernel_module == "kernel" else self.kernel_module
-        return importlib.import_module(f"kern.kernels.{op}.{name}")
+        """The Triton wrapper of ``kern.kernels.<op>``; ReferenceOps takes the torch reference
+        (same signatures, so the wiring below serves both). Imported here: triton is only
+        needed (and only importable) where there is a GPU."""
+        return importlib.import_module(f"kern.kernels.{op}.{op}")
 
     def prepare_linear(self, w: Tensor) -> Tensor:
         return w.to(device=self.device, dtype=self.dtype).contiguous()
@@ -389,10 +387,12 @@ class ReferenceOps(CudaOps):
     """
 
     dtype = torch.float32
-    kernel_module = "reference"
 
     def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
+
+    def _kernel(self, op: str):
+        return importlib.import_module(f"kern.kernels.{op}.reference")
 
 
 @dataclass(frozen=True, slots=True)
