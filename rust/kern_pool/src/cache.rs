@@ -62,6 +62,11 @@ impl Cache {
         &self.pool
     }
 
+    /// The host tier's pool, if there is one (its geometry sizes the host arena).
+    pub fn host_pool(&self) -> Option<&Pool> {
+        self.host.as_ref().map(Host::pool)
+    }
+
     pub fn match_prefix(&mut self, tokens: &[u32]) -> Match {
         self.prefix.match_prefix(tokens)
     }

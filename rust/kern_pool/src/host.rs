@@ -18,6 +18,10 @@ impl Host {
         })
     }
 
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
     /// Could `pages` pages and `states` states ever fit, with every parked entry dropped?
     pub fn could_ever_fit(&self, pages: usize, states: usize) -> bool {
         let chunks = |n: usize, per: u32| {

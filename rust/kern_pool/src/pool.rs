@@ -3,9 +3,10 @@
 //!
 //! Design notes:
 //! - Addresses are implied by ids: page `p` sits at byte `p * page_bytes` (a chunk is a whole
-//!   number of pages), slot `s` at `chunk(s) * chunk_bytes + (s % slots_per_chunk) * slot_bytes`.
-//!   So a class changing chunks moves no bytes and needs no plan: the runner views one arena
-//!   through both layouts and the pool guarantees the views never overlap in use.
+//!   number of pages), slot `s` at `s * slot_stride`, where the stride divides the chunk and is
+//!   at least `slot_bytes` (see `Layout`). So a class changing chunks moves no bytes and needs no
+//!   plan: the runner views one arena as a page array and as a slot array, both linear in the
+//!   id, and the pool guarantees the views never overlap in use.
 //! - The chunk size scales with the budget (about `TARGET_CHUNKS` chunks at any budget): a fixed
 //!   small chunk gives 100k+ chunks on a large GPU and a start-up that maps for a minute.
 //! - Pages fill from the low end, slots from the high end, and each takes its lowest (pages) or
@@ -23,6 +24,88 @@ use crate::error::{KernError, Result};
 /// keeping 140 GiB within 2x of that count needs a target near 1024. The price is coarser
 /// growth steps at large budgets (140 MiB chunks at 140 GiB).
 pub const TARGET_CHUNKS: u64 = 1024;
+
+/// A slot's stride is a multiple of this, so any slot can be viewed as float32/float64 data.
+pub const SLOT_ALIGN: u64 = 16;
+
+/// How a chunk is cut: into pages (exactly) and into slots at a stride that divides it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub chunk_bytes: u64,
+    pub pages_per_chunk: u32,
+    /// Bytes from slot `s` to slot `s + 1` (0 without slots).
+    pub slot_stride: u64,
+    pub slots_per_chunk: u32,
+}
+
+impl Layout {
+    /// The chunk size near `base` (rounded up to whole pages) and, with slots, the slot count
+    /// whose stride divides it. Among the chunk sizes up to twice the first (so the chunk count
+    /// stays near its target) it keeps the one whose slots fill it best: a stride that must
+    /// divide the chunk can leave part of it unused (5 slots of 3,000 bytes in a 16,384-byte
+    /// chunk take 4 x 4,096).
+    fn new(base: u64, page_bytes: u64, slot_bytes: u64) -> Layout {
+        if slot_bytes == 0 {
+            let chunk_bytes = base.div_ceil(page_bytes) * page_bytes;
+            return Layout {
+                chunk_bytes,
+                pages_per_chunk: (chunk_bytes / page_bytes) as u32,
+                slot_stride: 0,
+                slots_per_chunk: 0,
+            };
+        }
+        let unit = lcm(page_bytes, SLOT_ALIGN);
+        let first = base.div_ceil(unit).max(1);
+        let mut best: Option<(u64, Layout)> = None;
+        for m in first..=2 * first {
+            let chunk_bytes = m * unit;
+            let most = chunk_bytes / slot_bytes;
+            let Some(d) = (1..=most).rev().find(|&d| {
+                chunk_bytes.is_multiple_of(d) && (chunk_bytes / d).is_multiple_of(SLOT_ALIGN)
+            }) else {
+                continue;
+            };
+            let layout = Layout {
+                chunk_bytes,
+                pages_per_chunk: (chunk_bytes / page_bytes) as u32,
+                slot_stride: chunk_bytes / d,
+                slots_per_chunk: d as u32,
+            };
+            // Fill in parts per million: slot bytes used over chunk bytes.
+            let fill = u128::from(d * slot_bytes) * 1_000_000 / u128::from(chunk_bytes);
+            let fill = fill as u64;
+            if best.is_none_or(|(f, _)| fill > f) {
+                best = Some((fill, layout));
+            }
+            if d * slot_bytes == chunk_bytes {
+                break;
+            }
+        }
+        // m * unit >= slot_bytes for the largest m tried, and d = 1 always divides, so `best`
+        // is set whenever the loop reached a chunk that holds one slot.
+        best.map_or(
+            Layout {
+                chunk_bytes: first * unit,
+                pages_per_chunk: (first * unit / page_bytes) as u32,
+                slot_stride: first * unit,
+                slots_per_chunk: 1,
+            },
+            |(_, l)| l,
+        )
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn lcm(a: u64, b: u64) -> u64 {
+    a / gcd(a, b) * b
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -178,11 +261,12 @@ impl Pool {
             });
         }
         let base = budget_bytes.div_ceil(TARGET_CHUNKS).max(largest);
-        // A whole number of pages per chunk keeps page addresses linear in the page id.
-        let chunk_bytes = base.div_ceil(page_bytes) * page_bytes;
+        let layout = Layout::new(base, page_bytes, slot_bytes);
+        let chunk_bytes = layout.chunk_bytes;
         let mut num_chunks = budget_bytes / chunk_bytes;
         if num_chunks == 0 {
-            // Rounding up to whole pages overshot a budget that holds the largest object.
+            // Rounding up to whole pages (and slot strides) overshot a budget that holds the
+            // largest object.
             return Err(KernError::BudgetTooSmall {
                 what: "pool",
                 budget_bytes,
@@ -190,7 +274,7 @@ impl Pool {
             });
         }
         num_chunks = num_chunks.min(u64::from(u32::MAX));
-        let pages_per_chunk = chunk_bytes / page_bytes;
+        let pages_per_chunk = u64::from(layout.pages_per_chunk);
         if pages_per_chunk * num_chunks > u64::from(u32::MAX) {
             return Err(KernError::BudgetTooSmall {
                 what: "pool (more than 2^32 pages: use larger pages)",
@@ -203,8 +287,8 @@ impl Pool {
         let slots = (slot_bytes > 0).then(|| {
             Class::new(
                 Kind::Slots,
-                slot_bytes,
-                (chunk_bytes / slot_bytes) as u32,
+                layout.slot_stride,
+                layout.slots_per_chunk,
                 num_chunks,
             )
         });
@@ -249,6 +333,11 @@ impl Pool {
 
     pub fn slots_per_chunk(&self) -> u32 {
         self.slots.as_ref().map_or(0, |s| s.per_chunk)
+    }
+
+    /// Bytes from slot `s` to slot `s + 1` (0 without slots): slot `s` sits at `s * stride`.
+    pub fn slot_stride(&self) -> u64 {
+        self.slots.as_ref().map_or(0, |s| s.object_bytes)
     }
 
     pub fn has_slots(&self) -> bool {
@@ -517,6 +606,11 @@ impl Pool {
                 return bad(format!("{:?}: shrank below its floor", class.kind));
             }
             debug_assert!(class.object_bytes * u64::from(class.per_chunk) <= self.chunk_bytes);
+            if class.kind == Kind::Slots
+                && class.object_bytes * u64::from(class.per_chunk) != self.chunk_bytes
+            {
+                return bad("slot stride does not divide the chunk".into());
+            }
         }
         Ok(())
     }
@@ -544,6 +638,31 @@ mod tests {
         let (a, b) = (u64::from(small.num_chunks()), u64::from(large.num_chunks()));
         println!("chunks (4 KiB pages): 1 GiB -> {a}, 140 GiB -> {b}");
         assert!(a < 20_000 && b < 20_000 && a.max(b) <= 2 * a.min(b));
+    }
+
+    #[test]
+    fn slots_sit_at_a_stride_that_divides_the_chunk() {
+        // Odd sizes on purpose: the stride must still divide the chunk and stay aligned.
+        for (budget, page, slot) in [
+            (1u64 << 20, 4096u64, 8192u64),
+            (1 << 20, 3000, 7000),
+            (256 << 20, 12_288, 100_000),
+            (3 << 30, 2 << 20, 150 << 20),
+            (1 << 20, 48, 40),
+        ] {
+            let pool = Pool::new(budget, page, slot, 2).unwrap();
+            let (stride, per) = (pool.slot_stride(), u64::from(pool.slots_per_chunk()));
+            assert!(
+                stride >= slot && stride % SLOT_ALIGN == 0,
+                "{page} {slot}: {stride}"
+            );
+            assert_eq!(stride * per, pool.chunk_bytes(), "{page} {slot}");
+            assert_eq!(pool.chunk_bytes() % page, 0);
+            let fill = (per * slot) as f64 / pool.chunk_bytes() as f64;
+            println!("page {page} slot {slot}: {per} slots of stride {stride}, fill {fill:.3}");
+            assert!(fill > 0.5, "{page} {slot}: fill {fill}");
+            pool.check_integrity().unwrap();
+        }
     }
 
     #[test]

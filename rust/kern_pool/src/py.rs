@@ -16,6 +16,7 @@ use crate::cache::{Cache as CoreCache, CacheConfig, CacheStats};
 use crate::error::KernError;
 use crate::ids::{NodeId, SlotId};
 use crate::plan::{self, EntryKey as CoreKey};
+use crate::pool::Pool;
 
 create_exception!(
     kern._pool,
@@ -417,6 +418,62 @@ impl From<plan::Evicted> for Evicted {
     }
 }
 
+/// How one arena (the device budget or the host tier) is cut: `num_chunks` chunks of
+/// `chunk_bytes`; page `p` at byte `p * page_bytes`, slot `s` at byte `s * slot_stride`. The
+/// runner allocates exactly `num_chunks * chunk_bytes` bytes and views them both ways.
+#[pyclass(frozen, module = "kern._pool", get_all)]
+pub struct Geometry {
+    chunk_bytes: u64,
+    num_chunks: u32,
+    page_bytes: u64,
+    pages_per_chunk: u32,
+    slot_stride: u64,
+    slots_per_chunk: u32,
+}
+
+#[pymethods]
+impl Geometry {
+    /// Page ids run over `[0, num_pages)`.
+    #[getter]
+    fn num_pages(&self) -> u64 {
+        u64::from(self.num_chunks) * u64::from(self.pages_per_chunk)
+    }
+    /// Slot ids run over `[0, num_slots)` (0 without slots).
+    #[getter]
+    fn num_slots(&self) -> u64 {
+        u64::from(self.num_chunks) * u64::from(self.slots_per_chunk)
+    }
+    /// The arena's size: `num_chunks * chunk_bytes`.
+    #[getter]
+    fn arena_bytes(&self) -> u64 {
+        u64::from(self.num_chunks) * self.chunk_bytes
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Geometry(chunks={} x {} B, pages={} x {} B, slots={} x {} B)",
+            self.num_chunks,
+            self.chunk_bytes,
+            self.num_pages(),
+            self.page_bytes,
+            self.num_slots(),
+            self.slot_stride
+        )
+    }
+}
+
+impl From<&Pool> for Geometry {
+    fn from(p: &Pool) -> Self {
+        Geometry {
+            chunk_bytes: p.chunk_bytes(),
+            num_chunks: p.num_chunks(),
+            page_bytes: p.chunk_bytes() / u64::from(p.pages_per_chunk()),
+            pages_per_chunk: p.pages_per_chunk(),
+            slot_stride: p.slot_stride(),
+            slots_per_chunk: p.slots_per_chunk(),
+        }
+    }
+}
+
 /// Counters of the device pool, the host tier and the tree.
 #[pyclass(frozen, module = "kern._pool", get_all)]
 pub struct Stats {
@@ -509,21 +566,15 @@ impl Cache {
     fn page_tokens(&self) -> u32 {
         self.inner.page_tokens()
     }
+    /// The device arena's geometry.
     #[getter]
-    fn chunk_bytes(&self) -> u64 {
-        self.inner.pool().chunk_bytes()
+    fn device(&self) -> Geometry {
+        self.inner.pool().into()
     }
+    /// The host arena's geometry; None without a host tier.
     #[getter]
-    fn num_chunks(&self) -> u32 {
-        self.inner.pool().num_chunks()
-    }
-    #[getter]
-    fn pages_per_chunk(&self) -> u32 {
-        self.inner.pool().pages_per_chunk()
-    }
-    #[getter]
-    fn slots_per_chunk(&self) -> u32 {
-        self.inner.pool().slots_per_chunk()
+    fn host(&self) -> Option<Geometry> {
+        self.inner.host_pool().map(Geometry::from)
     }
     /// Pages allocatable now without evicting anything (cheap; `stats()` recounts the tree).
     #[getter]
@@ -630,6 +681,7 @@ fn _pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Woken>()?;
     m.add_class::<Evicted>()?;
     m.add_class::<Stats>()?;
+    m.add_class::<Geometry>()?;
     let py = m.py();
     for (name, ty) in [
         ("PoolFull", py.get_type::<PoolFull>()),
