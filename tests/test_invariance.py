@@ -7,14 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kern.checkpoint import load_checkpoint
 from kern.invariance import run_invariance
-from kern.tiny import make_tiny
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_5"])
-def ckpt(request, tmp_path_factory):
-    return load_checkpoint(make_tiny(request.param, tmp_path_factory.mktemp(request.param)))
+def ckpt(request, tiny):
+    return tiny(request.param)
 
 
 def test_bitwise_invariant(ckpt):

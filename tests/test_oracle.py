@@ -110,7 +110,7 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def runner_for(ckpt, num_pages: int = 32) -> Runner:
-    return Runner(ckpt, num_pages=num_pages, page_tokens=PAGE, num_slots=4)
+    return Runner.with_pages(ckpt, num_pages=num_pages, page_tokens=PAGE, num_slots=4)
 
 
 def test_greedy_tokens_and_logits(case):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kern import runner as runner_module
 from kern.batch import SeqChunk, build_step
 from kern.checkpoint import load_checkpoint
 from kern.kernels.causal_conv1d import reference as conv_ref
@@ -22,22 +21,24 @@ PAGE = 16
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    return load_checkpoint(make_tiny("qwen3", tmp_path_factory.mktemp("qwen3"), seed=1))
+def qwen3(tiny):
+    return tiny("qwen3")
 
 
 @pytest.fixture(scope="module")
-def qwen3_5(tmp_path_factory):
-    return load_checkpoint(make_tiny("qwen3_5", tmp_path_factory.mktemp("qwen3_5"), seed=1))
+def qwen3_5(tiny):
+    return tiny("qwen3_5")
 
 
 def test_arena_layout(qwen3, qwen3_5):
-    r = Runner(qwen3, num_pages=5, page_tokens=PAGE)
+    r = Runner.with_pages(qwen3, num_pages=5, page_tokens=PAGE)
     c = qwen3.config
     assert r.kv_arena.shape == (5, c.num_hidden_layers, 2, c.num_key_value_heads, PAGE, c.head_dim)
-    assert r.page_bytes == c.num_hidden_layers * 2 * PAGE * c.num_key_value_heads * c.head_dim * 4
-    assert r.slot_bytes == 0 and r.conv_states is None
-    s = Runner(qwen3_5, num_pages=5, page_tokens=PAGE, num_slots=3)
+    assert r.layout.page_bytes == (
+        c.num_hidden_layers * 2 * PAGE * c.num_key_value_heads * c.head_dim * 4
+    )
+    assert r.layout.state_bytes == 0 and r.conv_states is None
+    s = Runner.with_pages(qwen3_5, num_pages=5, page_tokens=PAGE, num_slots=3)
     c = qwen3_5.config
     assert s.kv_arena.shape[1] == c.layer_types.count("full_attention")
     assert s.delta_states.shape == (
@@ -48,13 +49,15 @@ def test_arena_layout(qwen3, qwen3_5):
         c.linear_value_head_dim,
     )
     assert s.delta_states.dtype == torch.float32
-    assert s.slot_bytes > 0
+    assert s.layout.state_bytes == (
+        s.delta_states[0].numel() * 4 + s.conv_states[0].numel() * s.conv_states.element_size()
+    )
     with pytest.raises(ValueError, match="num_slots"):
-        Runner(qwen3_5, num_pages=5, page_tokens=PAGE)
+        Runner.with_pages(qwen3_5, num_pages=5, page_tokens=PAGE)
 
 
 def test_logit_rows(qwen3):
-    r = Runner(qwen3, num_pages=8, page_tokens=PAGE)
+    r = Runner.with_pages(qwen3, num_pages=8, page_tokens=PAGE)
     out = r.forward(
         [
             SeqChunk([1, 2, 3], 0, [0], logits="none"),
@@ -63,7 +66,7 @@ def test_logit_rows(qwen3):
         ]
     )
     assert out.shape == (5, qwen3.config.vocab_size) and out.dtype == torch.float32
-    alone = Runner(qwen3, num_pages=8, page_tokens=PAGE)
+    alone = Runner.with_pages(qwen3, num_pages=8, page_tokens=PAGE)
     assert torch.equal(out[4], alone.forward([SeqChunk([8, 9], 0, [5])])[0])
 
 
@@ -78,7 +81,7 @@ def test_logit_rows(qwen3):
     ],
 )
 def test_bad_batches(qwen3, chunk, message):
-    r = Runner(qwen3, num_pages=4, page_tokens=PAGE)
+    r = Runner.with_pages(qwen3, num_pages=4, page_tokens=PAGE)
     before = r.kv_arena.clone()
     with pytest.raises(ValueError, match=message):
         r.forward([chunk])
@@ -86,7 +89,7 @@ def test_bad_batches(qwen3, chunk, message):
 
 
 def test_stateful_needs_distinct_slots(qwen3_5):
-    r = Runner(qwen3_5, num_pages=4, page_tokens=PAGE, num_slots=2)
+    r = Runner.with_pages(qwen3_5, num_pages=4, page_tokens=PAGE, num_slots=2)
     with pytest.raises(ValueError, match="slot"):
         r.forward([SeqChunk([1], 0, [0])])
     with pytest.raises(ValueError, match="twice"):
@@ -94,7 +97,7 @@ def test_stateful_needs_distinct_slots(qwen3_5):
 
 
 def test_fresh_sequence_clears_its_slot(qwen3_5):
-    r = Runner(qwen3_5, num_pages=4, page_tokens=PAGE, num_slots=2)
+    r = Runner.with_pages(qwen3_5, num_pages=4, page_tokens=PAGE, num_slots=2)
     a = r.forward([SeqChunk([5, 6, 7], 0, [0], slot=0)])
     r.forward([SeqChunk([9, 9, 9, 9], 0, [1], slot=1)])
     r.copy_slots([1], [0])  # slot 0 now holds another sequence's state
@@ -103,7 +106,7 @@ def test_fresh_sequence_clears_its_slot(qwen3_5):
 
 
 def test_copy_pages_and_slots(qwen3_5):
-    r = Runner(qwen3_5, num_pages=6, page_tokens=PAGE, num_slots=3)
+    r = Runner.with_pages(qwen3_5, num_pages=6, page_tokens=PAGE, num_slots=3)
     r.forward([SeqChunk(list(range(20)), 0, [0, 1], slot=0, logits="none")])
     r.copy_pages([0, 1], [3, 4])
     assert torch.equal(r.kv_arena[3:5], r.kv_arena[0:2])
@@ -113,16 +116,13 @@ def test_copy_pages_and_slots(qwen3_5):
     # both continue identically
     x = r.forward([SeqChunk([7], 20, [0, 1], slot=0), SeqChunk([7], 20, [3, 4], slot=2)])
     assert torch.equal(x[0], x[1])
-    data = r.read_pages([1])
-    r.write_pages([5], data)
-    assert torch.equal(r.kv_arena[5], r.kv_arena[1])
     with pytest.raises(ValueError):
         r.copy_pages([0], [1, 2])
 
 
 def test_keep_rows_rewinds_state(qwen3_5):
     """Verifying 4 rows and keeping 2 leaves the state as if only 2 were fed."""
-    r = Runner(qwen3_5, num_pages=8, page_tokens=PAGE, num_slots=2)
+    r = Runner.with_pages(qwen3_5, num_pages=8, page_tokens=PAGE, num_slots=2)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     for slot, pages in ((0, [0, 1]), (1, [2, 3])):
         r.forward([SeqChunk(prompt, 0, pages, slot=slot)])
@@ -334,19 +334,19 @@ def test_triton_backend_matches_cpu(family, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
     ckpt = load_checkpoint(make_tiny(family, tmp_path / family))
-    cpu = Runner(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2)
-    monkeypatch.setattr(
-        runner_module, "make_ops", lambda device, **_: _InterpretedTritonOps(torch.device("cpu"))
-    )
-    _compare_backends(cpu, Runner(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2))
+    cpu = Runner.with_pages(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2)
+    triton = _InterpretedTritonOps(torch.device("cpu"))
+    other = Runner.with_pages(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2, ops=triton)
+    _compare_backends(cpu, other)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_5"])
 def test_reference_backend_matches_cpu(family, tmp_path):
     ckpt = load_checkpoint(make_tiny(family, tmp_path / family))
-    cpu = Runner(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2)
-    ref = Runner(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2, reference=True)
+    cpu = Runner.with_pages(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2)
+    ops = ops_module.make_ops("cpu", reference=True)
+    ref = Runner.with_pages(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2, ops=ops)
     assert isinstance(ref.ops, ops_module.ReferenceOps) and ref.dtype == torch.float32
     _compare_backends(cpu, ref)
     with pytest.raises(ValueError, match="CPU only"):
-        Runner(ckpt, num_pages=8, page_tokens=PAGE, device="cuda", reference=True)
+        ops_module.make_ops("cuda", reference=True)

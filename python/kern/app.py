@@ -41,7 +41,7 @@ from typing import Any
 from kern import api
 from kern.api import ApiError
 from kern.sampler import SamplingParams
-from kern.scheduler import Event, LimitError, Request, Scheduler, build, start_scheduler
+from kern.scheduler import Event, LimitError, Request, Scheduler, start_scheduler
 
 __all__ = ["App", "app"]
 
@@ -97,9 +97,11 @@ class _Choice:
 
 
 class App:
-    """The ASGI application. Loads the model at lifespan startup."""
+    """The ASGI application. Loads the model at lifespan startup, through ``load_engine``
+    (``kern.engine.Engine.load`` unless given: the crash test passes one whose runner fails)."""
 
-    def __init__(self) -> None:
+    def __init__(self, load_engine: Callable[[Any], Any] | None = None) -> None:
+        self.load_engine = load_engine
         self.scheduler: Scheduler | None = None
         self.tokenizer: Any = None
         self.model_name = "kern"
@@ -164,22 +166,14 @@ class App:
         key = os.environ.get("KERN_API_KEY")
         self.api_key = key.encode() if key else None
         self.max_body = int(os.environ.get("KERN_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES))
-        ckpt, runner, cache = build(target)
-        crash_after = os.environ.get("KERN_TEST_CRASH_AFTER_STEPS")
-        if crash_after:
-            _fail_after(runner, int(crash_after))
+        from kern.engine import Engine
+
+        engine = (self.load_engine or Engine.load)(target)
         self.model_name = target.name
-        self.tokenizer = ckpt.tokenizer
-        self.vocab_size = ckpt.config.vocab_size
-        self.max_model_len = ckpt.config.max_position_embeddings
-        return Scheduler(
-            runner,
-            cache,
-            eos_token_ids=ckpt.tokenizer.eos_token_ids,
-            max_model_len=self.max_model_len,
-            deliver=self._deliver,
-            on_crash=self._crashed,
-        )
+        self.tokenizer = engine.checkpoint.tokenizer
+        self.vocab_size = engine.checkpoint.config.vocab_size
+        self.max_model_len = engine.checkpoint.config.max_position_embeddings
+        return engine.scheduler(self._deliver, on_crash=self._crashed)
 
     def _deliver(self, events: list[tuple[Request, Event]]) -> None:
         """From the scheduler thread, once per step."""
@@ -622,21 +616,6 @@ async def _send_sse(send: Send, lines: list[bytes]) -> None:
     if lines:
         body = b"".join(b"data: " + line + b"\n\n" for line in lines)
         await send({"type": "http.response.body", "body": body, "more_body": True})
-
-
-def _fail_after(runner: Any, steps: int) -> None:
-    """Test hook (``KERN_TEST_CRASH_AFTER_STEPS``): make the runner raise after ``steps``
-    forwards, so the crash path (exit code 101, open streams ended) is tested for real."""
-    forward = runner.forward
-    count = [0]
-
-    def failing(batch):
-        count[0] += 1
-        if count[0] > steps:
-            raise RuntimeError(f"injected failure after {steps} steps")
-        return forward(batch)
-
-    runner.forward = failing
 
 
 app = App()

@@ -29,16 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from kern.config import FAMILIES, CheckpointError
+from kern.errors import UsageError
 from kern.toml_config import DEFAULT_THREADS, Target, TomlConfigError, load_toml_config
 
 __all__ = ["main", "probe_ulps", "read_probe"]
 
 PROBE_FORMAT = "kern-probe/1"
 _LABEL = re.compile(r"^[A-Za-z0-9._-]+$")
-
-
-class UsageError(Exception):
-    """A mistake in what the user asked for; printed as one line, exit code 2."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

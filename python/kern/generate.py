@@ -27,6 +27,7 @@ from torch import Tensor
 
 from kern.batch import SeqChunk
 from kern.checkpoint import Checkpoint
+from kern.models.ops import make_ops
 from kern.runner import Runner
 from kern.sampler import SamplingParams, sample
 
@@ -104,13 +105,12 @@ def generate(
     probe_at = set(probe_steps or ())
     probes: dict[int, tuple[Tensor, Tensor]] = {}
     total = len(prompt_ids) + steps + rows
-    runner = Runner(
+    runner = Runner.with_pages(
         checkpoint,
         num_pages=-(-total // page_tokens),
         page_tokens=page_tokens,
         num_slots=1,
-        device=device,
-        reference=reference,
+        ops=make_ops(device, reference=reference),
     )
     table = list(range(runner.num_pages))
     out: list[int] = []
@@ -119,7 +119,7 @@ def generate(
 
     def pick(logits: Tensor, first: int) -> list[int]:
         n = logits.shape[0]
-        toks = sample(logits, [params] * n, list(range(first, first + n))).tolist()
+        toks = sample(logits, [params] * n, list(range(first, first + n)))
         for j in range(n):
             if first + j in probe_at:
                 k = min(probe_k, logits.shape[1])

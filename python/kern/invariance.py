@@ -109,7 +109,9 @@ def run_batched(
             left -= c
         seqs_spec.append((other, cuts))
     per_seq = [-(-(len(p) + steps + 2) // page_tokens) for p, _ in seqs_spec]
-    runner = Runner(ckpt, num_pages=sum(per_seq), page_tokens=page_tokens, num_slots=len(seqs_spec))
+    runner = Runner.with_pages(
+        ckpt, num_pages=sum(per_seq), page_tokens=page_tokens, num_slots=len(seqs_spec)
+    )
     first = 0
     seqs = []
     for i, ((p, cuts), n) in enumerate(zip(seqs_spec, per_seq, strict=True)):
@@ -158,7 +160,7 @@ def check_decode_kv(
     more position."""
     n = len(prompt) + steps
     pages = -(-n // page_tokens)
-    runner = Runner(ckpt, num_pages=2 * pages, page_tokens=page_tokens, num_slots=2)
+    runner = Runner.with_pages(ckpt, num_pages=2 * pages, page_tokens=page_tokens, num_slots=2)
     decoded = list(range(pages))
     tokens = list(prompt)
     logits = runner.forward([SeqChunk(prompt, 0, decoded, 0)])

@@ -2,135 +2,132 @@
 
 Design notes
 ------------
-* Memory the pool hands out by id lives here as two arenas, allocated once:
+* The runner owns every tensor: the model, the device arena, the host arena (``kern.arena``)
+  and the backend (``ops``: CPU torch ops, CUDA Triton kernels, or the torch references). The
+  scheduler hands it batches and the cache's plans, as ints and bytes, and never indexes a
+  tensor itself.
+* One device arena per budget, viewed as pages and as slots (``kern.arena``), laid out by
+  ``kern.layout.Layout``:
   - KV pages: ``kv_arena[num_pages, num_attention_layers, 2, Hk, page_tokens, D]``. A page is
     ``page_tokens`` positions of every attention layer's K and V, contiguous, so copying,
-    parking or waking a page is one index copy of one row of the arena. Layer ``l`` reads and
-    writes the strided view ``kv_arena[:, l]``; how K and V sit inside a page is the
-    backend's choice (the CPU stores K transposed, see ``kern.models.attention``), so read
-    positions through :meth:`Runner.kv_at`, not by indexing the arena.
-  - State slots (stateful models): ``conv_states[num_slots, L_lin, C, K-1]`` (model dtype)
-    and ``delta_states[num_slots, L_lin, Hv, Dk, Dv]`` (float32, as the delta rule keeps
-    it), one row per slot across all linear layers for the same reason.
-  Both are zero-filled: never-written rows are read (masked) by batched attention, and zeros
-  cannot turn into NaN the way ``torch.empty``'s garbage can.
+    parking or waking a page is one row of the arena. Layer ``l`` reads and writes the
+    strided view ``kv_arena[:, l]``; how K and V sit inside a page is the backend's choice
+    (the CPU stores K transposed, see ``kern.models.attention``), so read positions through
+    :meth:`Runner.kv_at`, not by indexing the arena.
+  - State slots (stateful models): ``delta_states[num_slots, L_lin, Hv, Dk, Dv]`` (float32,
+    as the delta rule keeps it) and ``conv_states[num_slots, L_lin, C, K-1]`` (model dtype),
+    one row per slot across all linear layers for the same reason.
 * ``forward`` builds the step's index tensors once (``kern.batch.build_step`` plus the
   backend's attention / recurrent plans) and every layer reads them. Logits are computed
   only for the rows that need them: the final norm and LM head run on those rows alone.
 * A chunk at ``start_pos == 0`` starts a sequence: its slot is cleared first, so the
-  scheduler never has to.
+  scheduler never has to (and a slot whose bytes were pages a moment ago starts clean).
 * Verify chunks of stateful models (``logits="all"``, see ``SeqChunk``) also record the state
   after each row; ``keep_rows(slot, n)`` rewinds the slot to the state after its first ``n``
   rows of the last forward. Attention KV needs no rewind: rejected positions are simply
   overwritten when the sequence gets there again.
-* The backend (CPU torch float32 / CUDA Triton bf16) is chosen once, in ``kern.models.ops``.
+* Park and wake plans land as one batched copy per arena per list (``kern.arena.land``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from kern.arena import Arena, Geometry, land
 from kern.batch import SeqChunk, build_step, validate
 from kern.checkpoint import Checkpoint
+from kern.layout import Layout
 from kern.models import Caches, build_model
-from kern.models.ops import make_ops
+from kern.models.ops import Ops, make_ops
 
-__all__ = ["Runner", "SeqChunk"]
+__all__ = ["CopyPlan", "Runner", "SeqChunk"]
+
+
+class CopyPlan(Protocol):
+    """``kern.pool.CopyPlan``: ids as little-endian uint32 bytes."""
+
+    @property
+    def src_pages(self) -> bytes: ...
+    @property
+    def dst_pages(self) -> bytes: ...
+    @property
+    def src_states(self) -> bytes: ...
+    @property
+    def dst_states(self) -> bytes: ...
 
 
 class Runner:
-    """Runs a checkpoint's model over paged KV and state slots on one device.
+    """Runs a checkpoint's model on ``ops``' device over the arena ``geometry`` cuts (and a
+    host arena for parked cache entries when ``host`` is given). ``layout`` must be the one
+    the geometry was sized from (``Layout.of(config, ops.dtype, page_tokens)``).
 
-    ``num_pages`` KV pages of ``page_tokens`` positions each, and ``num_slots`` recurrent
-    state slots (needed by stateful families, i.e. qwen3_5; ignored by others). ``dtype``
-    defaults to the backend's (float32 on the CPU, bfloat16 on CUDA). ``reference=True``
-    runs the kernels' torch references instead (CPU, float32; slow, for checking).
+    :meth:`with_pages` builds one over pages and slots of its own, without a pool.
     """
 
     def __init__(
         self,
         checkpoint: Checkpoint,
-        *,
-        num_pages: int,
-        page_tokens: int,
-        num_slots: int = 0,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
-        reference: bool = False,
+        ops: Ops,
+        layout: Layout,
+        geometry: Geometry,
+        host: Geometry | None = None,
     ) -> None:
-        if num_pages < 1 or page_tokens < 1:
-            raise ValueError("num_pages and page_tokens must be positive")
-        self.ops = make_ops(device, reference=reference)
-        if dtype is not None and dtype != self.ops.dtype:
-            raise ValueError(f"the {self.ops.device.type} backend runs {self.ops.dtype}")
+        if layout.dtype != ops.dtype:
+            raise ValueError(f"the layout is {layout.dtype}, the backend computes {ops.dtype}")
+        if geometry.num_pages < 1:
+            raise ValueError("the arena holds no page")
+        if layout.stateful and geometry.num_slots < 1:
+            raise ValueError("a stateful model needs at least one state slot")
+        self.ops = ops
         self.config = c = checkpoint.config
-        self.model = build_model(self.ops, c, checkpoint.tensors)
-        self.device = self.ops.device
-        self.dtype = self.ops.dtype
-        self.page_tokens = page_tokens
-        self.num_pages = num_pages
-        self.stateful = self.model.stateful
-        self.num_slots = num_slots if self.stateful else 0
-        if self.stateful and num_slots < 1:
-            raise ValueError(f"{c.model_type} keeps a recurrent state: num_slots must be >= 1")
-        self.kv_arena = torch.zeros(
-            num_pages,
-            self.model.num_attention_layers,
-            2,
-            c.num_key_value_heads,
-            page_tokens,
-            c.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self._kv = [self.kv_arena[:, i] for i in range(self.model.num_attention_layers)]
-        self.conv_states: Tensor | None = None
-        self.delta_states: Tensor | None = None
-        num_linear = self.model.num_linear_layers
-        if self.stateful and num_linear:
-            conv_dim = (
-                2 * c.linear_num_key_heads * c.linear_key_head_dim
-                + c.linear_num_value_heads * c.linear_value_head_dim
-            )
-            self.conv_states = torch.zeros(
-                num_slots,
-                num_linear,
-                conv_dim,
-                c.linear_conv_kernel_dim - 1,
-                dtype=self.dtype,
-                device=self.device,
-            )
-            self.delta_states = torch.zeros(
-                num_slots,
-                num_linear,
-                c.linear_num_value_heads,
-                c.linear_key_head_dim,
-                c.linear_value_head_dim,
-                dtype=torch.float32,
-                device=self.device,
-            )
+        self.layout = layout
+        self.model = build_model(ops, c, checkpoint.tensors)
+        self.device = ops.device
+        self.dtype = ops.dtype
+        self.page_tokens = layout.page_tokens
+        self.stateful = layout.stateful
+        self.arena = Arena(layout, geometry, ops.device)
+        self.num_pages = self.arena.num_pages
+        self.num_slots = self.arena.num_slots
+        # The host tier: written only by parks and read only by wakes, so left unwritten.
+        self.host: Arena | None = None
+        if host is not None:
+            pin = ops.device.type == "cuda"
+            self.host = Arena(layout, host, torch.device("cpu"), zero=False, pin=pin)
+        self.kv_arena = self.arena.pages
+        self.conv_states = self.arena.conv
+        self.delta_states = self.arena.delta
+        self._kv = [self.kv_arena[:, i] for i in range(layout.num_attention_layers)]
         self._row_states: dict[int, tuple[int, int]] = {}  # slot -> (first row, num rows)
         self._row_conv: Tensor | None = None
         self._row_delta: Tensor | None = None
 
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one KV page (every attention layer's K and V)."""
-        return self.kv_arena[0].numel() * self.kv_arena.element_size()
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of one state slot (0 for a stateless model)."""
-        if self.conv_states is None or self.delta_states is None:
-            return 0
-        return (
-            self.conv_states[0].numel() * self.conv_states.element_size()
-            + self.delta_states[0].numel() * self.delta_states.element_size()
-        )
+    @classmethod
+    def with_pages(
+        cls,
+        checkpoint: Checkpoint,
+        *,
+        num_pages: int,
+        page_tokens: int,
+        num_slots: int = 0,
+        ops: Ops | None = None,
+    ) -> Runner:
+        """A runner over pages ``0 .. num_pages - 1`` and slots ``0 .. num_slots - 1`` of its
+        own (ignored by stateless models), on ``ops`` (default: the CPU backend)."""
+        if num_pages < 1 or page_tokens < 1:
+            raise ValueError("num_pages and page_tokens must be positive")
+        ops = ops or make_ops("cpu")
+        layout = Layout.of(checkpoint.config, ops.dtype, page_tokens)
+        if layout.stateful and num_slots < 1:
+            raise ValueError(
+                f"{checkpoint.config.model_type} keeps a recurrent state: num_slots must be >= 1"
+            )
+        return cls(checkpoint, ops, layout, Geometry.separate(layout, num_pages, num_slots))
 
     @torch.inference_mode()
     def forward(self, batch: Sequence[SeqChunk]) -> Tensor:
@@ -204,25 +201,35 @@ class Runner:
         For copy-on-write of a partly filled prefix page. Mutates ``dst`` pages; ``dst`` must
         not repeat and must not overlap ``src``.
         """
-        if len(src) != len(dst):
-            raise ValueError("src and dst differ in length")
-        if not src:
-            return
-        s = torch.tensor(list(src), device=self.device)
-        d = torch.tensor(list(dst), device=self.device)
-        self.kv_arena[d] = self.kv_arena[s]
+        _copy(self.arena.page_rows, src, dst)
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy recurrent states ``src[i] -> dst[i]`` (state snapshots). Mutates ``dst``
         slots; a no-op for stateless models."""
-        if len(src) != len(dst):
-            raise ValueError("src and dst differ in length")
-        if not src or self.conv_states is None or self.delta_states is None:
+        if self.arena.slot_rows is not None:
+            _copy(self.arena.slot_rows, src, dst)
+
+    def park(self, plans: Sequence[CopyPlan]) -> None:
+        """Land the park plans of one make-room call (device -> host), in order, as one copy
+        per arena. Must run before the device pages they free are written again."""
+        if not plans:
             return
-        s = torch.tensor(list(src), device=self.device)
-        d = torch.tensor(list(dst), device=self.device)
-        self.conv_states[d] = self.conv_states[s]
-        self.delta_states[d] = self.delta_states[s]
+        if self.host is None:
+            raise ValueError("a park plan for a runner without a host arena")
+        pages = [(p.src_pages, p.dst_pages) for p in plans]
+        slots = [(p.src_states, p.dst_states) for p in plans]
+        land(self.host, self.arena, pages, slots)
+
+    def wake(self, plan: CopyPlan) -> None:
+        """Land a wake plan (host -> device) before the woken pages are read."""
+        if self.host is None:
+            raise ValueError("a wake plan for a runner without a host arena")
+        land(
+            self.arena,
+            self.host,
+            [(plan.src_pages, plan.dst_pages)],
+            [(plan.src_states, plan.dst_states)],
+        )
 
     def kv_at(self, block_table: Sequence[int], positions: Sequence[int]) -> Tensor:
         """A copy of the K/V at ``positions`` of a sequence: [n, layers, 2, Hk, D]."""
@@ -235,10 +242,11 @@ class Runner:
             out.append(torch.stack([k[pages, offsets], v[pages, offsets]], dim=1))
         return torch.stack(out, dim=1)
 
-    def read_pages(self, pages: Sequence[int]) -> Tensor:
-        """A copy of KV pages ``pages`` ([n, layers, 2, page_tokens, Hk, D]); for parking."""
-        return self.kv_arena[torch.tensor(list(pages), device=self.device)].clone()
 
-    def write_pages(self, pages: Sequence[int], data: Tensor) -> None:
-        """Land ``data`` (as from :meth:`read_pages`) in KV pages ``pages``; for waking."""
-        self.kv_arena[torch.tensor(list(pages), device=self.device)] = data.to(self.kv_arena)
+def _copy(rows: Tensor, src: Sequence[int], dst: Sequence[int]) -> None:
+    if len(src) != len(dst):
+        raise ValueError("src and dst differ in length")
+    if src:
+        s = torch.tensor(list(src), device=rows.device)
+        d = torch.tensor(list(dst), device=rows.device)
+        rows.index_copy_(0, d, rows.index_select(0, s))

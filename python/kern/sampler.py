@@ -1,4 +1,4 @@
-"""Token sampling: a pure function of (logits, params, draw index).
+"""Token sampling and logprobs: pure functions of (logits, params, draw index).
 
 Design notes
 ------------
@@ -12,6 +12,8 @@ Design notes
 * Filtering is the usual order: temperature, then top-k, then top-p (the smallest set of
   most likely tokens whose probability reaches top_p; ties in rank are broken by token id),
   then inverse-CDF sampling in float64 over what is left.
+* Both functions take the runner's logits as they come and return plain Python values, so
+  the scheduler that calls them never handles a tensor.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["LogprobEntry", "SamplingParams", "logprobs", "sample"]
+
+# The chosen token's logprob and the top ones as (token id, logprob), most likely first.
+LogprobEntry = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +58,27 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
-def sample(logits: Tensor, params: Sequence[SamplingParams], draw_ids: Sequence[int]) -> Tensor:
+def sample(logits: Tensor, params: Sequence[SamplingParams], draw_ids: Sequence[int]) -> list[int]:
     """One token per row of ``logits`` [N, vocab] (float32): row i with ``params[i]``, as the
-    ``draw_ids[i]``-th token its request produces. Returns int64 [N] on the CPU. Pure."""
+    ``draw_ids[i]``-th token its request produces. Pure."""
     if len(params) != logits.shape[0] or len(draw_ids) != logits.shape[0]:
         raise ValueError("need one SamplingParams and one draw index per row")
-    out = logits.argmax(dim=-1).cpu()
+    out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         if not p.greedy:
             out[i] = _sample_row(logits[i], p, draw_ids[i])
     return out
+
+
+def logprobs(logits: Tensor, row: int, token: int, top: int) -> LogprobEntry:
+    """Row ``row`` of ``logits``: the log-softmax of ``token`` and of the ``top`` most likely
+    tokens (ties by token id, as ``torch.topk`` breaks them). Pure."""
+    lp = torch.log_softmax(logits[row].float(), dim=-1)
+    best: list[tuple[int, float]] = []
+    if top:
+        values, ids = torch.topk(lp, min(top, lp.shape[0]))
+        best = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return float(lp[token]), best
 
 
 def _sample_row(logits: Tensor, p: SamplingParams, draw_id: int) -> int:

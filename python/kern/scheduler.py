@@ -1,4 +1,5 @@
 """The scheduler: one thread that runs every request through the runner, one step at a time.
+It handles ints and handles only: the runner owns every tensor and lands every plan.
 
 Design notes
 ------------
@@ -18,6 +19,12 @@ Design notes
   parked hit is woken and its plan landed first; a hit ending mid-page has its shared page
   copied before anything is written past it. On a stateful model (qwen3_5) a hit is usable only
   where a state snapshot sits, and the snapshot is copied into the request's own slot.
+* Admission always progresses. A hit is worth taking only if it fits: one ending mid-page
+  keeps its locked page *and* needs a copy of it, one page more than the same prompt without
+  the hit, so when the pages cannot be had with the hit, admission retries without it. With
+  nothing running nothing is locked, so a request that passed :meth:`Scheduler.check` always
+  fits then; the head waits only while others run, and they finish in bounded steps. The
+  loop sleeps on its condition variable when there is nothing to run; it never spins.
 * Prefill pages are shared at once (stateless models): the full pages a prefill chunk
   computed go into the tree right after the step, the request locking their node, so a
   request that arrives while another with the same system prompt runs hits it.
@@ -28,12 +35,13 @@ Design notes
   resume, the request matches its own tokens, waking them (no recompute) or recomputing what
   was dropped. The oldest request always fits alone (requests that cannot are refused at
   submit), so this never deadlocks, and no answer is ever cut short.
-* Plans are landed here, by the runner, before anything is allocated again: park plans copy
-  device pages into the host arena (torch CPU tensors sized from the cache's host counts), wake
-  plans copy them back before the pages are read.
+* Plans pass through: whatever ``make_room`` parks is handed to ``Runner.park`` in one list
+  before anything is allocated again, a wake's plan to ``Runner.wake`` before the pages are
+  read. Counters come from the returned values alone (``Evicted``, ``Woken.keys``).
 * The thread talks to the app through two things only: ``submit``/``abort`` (locked inbox,
   a condition variable to wake the thread) and ``deliver``, called once per step with every
   event of that step, so crossing to the event loop costs one call per step, not per token.
+  :meth:`Scheduler.step` runs one step on the calling thread (the tests drive it that way).
 * If the loop raises, every open request is finished with ``abort`` and ``on_crash`` runs (the
   server prints the error and exits with code 101).
 """
@@ -41,6 +49,7 @@ Design notes
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -50,26 +59,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from kern.batch import SeqChunk
 from kern.metrics import Metrics
-from kern.pool import Cache, Evicted, PoolFull
+from kern.pool import Cache, Evicted, Match, PoolFull
 from kern.runner import Runner
-from kern.sampler import SamplingParams, sample
+from kern.sampler import LogprobEntry, SamplingParams, logprobs, sample
 
-__all__ = ["Event", "LimitError", "Request", "Scheduler", "build", "start_scheduler"]
-
-# The CPU's device budget when a target names none: enough for the tiny models kern ships
-# and benchmarks (the runner zero-fills it at start, so it is not free to oversize).
-DEFAULT_POOL_BYTES = 256 * 2**20
-# On CUDA with no pool_bytes: this share of the memory free once the weights are loaded
-# (the rest is left to activations and the allocator's slack).
-CUDA_FREE_SHARE = 0.85
+__all__ = ["Event", "LimitError", "Request", "Scheduler", "start_scheduler"]
 
 # An event for one request: (token id or None, logprob entry or None, finish reason or None).
-# A logprob entry is (logprob of the token, [(id, logprob), ...] of the top ones).
-Event = tuple[int | None, tuple[float, list[tuple[int, float]]] | None, str | None]
+Event = tuple[int | None, LogprobEntry | None, str | None]
 
 
 class LimitError(ValueError):
@@ -109,7 +109,8 @@ class Request:
 
 
 class Scheduler:
-    """Owns the runner and the cache; runs on its own thread once :meth:`start` is called."""
+    """Owns the runner and the cache. :meth:`run` loops on the calling thread (see
+    :func:`start_scheduler`); :meth:`step` runs one step."""
 
     def __init__(
         self,
@@ -124,6 +125,8 @@ class Scheduler:
         max_running: int = 256,
         on_crash: Callable[[BaseException], None] | None = None,
     ) -> None:
+        if max_step_tokens < 1 or max_running < 1:
+            raise ValueError("max_step_tokens and max_running must be >= 1")
         self.runner = runner
         self.cache = cache
         self.pt = cache.page_tokens
@@ -135,14 +138,17 @@ class Scheduler:
         self.max_running = max_running
         self.on_crash = on_crash
         self.stateful = runner.stateful
-        stats = cache.stats()
         # Every page the pool can give to requests (a stateful pool keeps its first slots).
         self.max_pages = cache.pages_free
-        self.start_pages_free = stats.pages_free
-        self.start_slots_free = stats.slots_free
-        self._make_host_arena(stats.host_pages_free, stats.host_slots_free)
+        host = cache.host
+        # The arenas' sizes: the runner allocates exactly what the pool's geometry says.
+        self._arena_gauges = {
+            "kern_device_arena_bytes": cache.device.arena_bytes,
+            "kern_host_arena_bytes": 0 if host is None else host.arena_bytes,
+        }
         self._cv = threading.Condition()
         self._inbox: list[Request] = []
+        self._poked = False  # a submit or an abort since the loop last looked
         self._stop = False
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -151,23 +157,22 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._gauges()
 
-    def _make_host_arena(self, host_pages: int, host_slots: int) -> None:
-        r = self.runner
-        self.host_kv = torch.zeros(host_pages, *r.kv_arena.shape[1:], dtype=r.kv_arena.dtype)
-        self.host_conv = self.host_delta = None
-        if r.conv_states is not None and r.delta_states is not None and host_slots:
-            self.host_conv = torch.zeros(host_slots, *r.conv_states.shape[1:], dtype=r.dtype)
-            self.host_delta = torch.zeros(
-                host_slots, *r.delta_states.shape[1:], dtype=r.delta_states.dtype
-            )
-
     # --- the app's side (any thread) ------------------------------------------------------
 
     def run(self) -> None:
         """Run the loop on the calling thread until :meth:`stop` (or a crash); the thread
         that built the scheduler, see :func:`start_scheduler`."""
         self._thread = threading.current_thread()
-        self._run()
+        try:
+            while True:
+                with self._cv:
+                    while not (self._stop or self._poked or self._running or self._waiting):
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                self.step()
+        except BaseException as e:  # noqa: BLE001 - a PanicException too: nothing may hang
+            self._crash(e)
 
     def stop(self) -> None:
         """Ask the loop to end after its step; waits for it unless called from it."""
@@ -207,12 +212,14 @@ class Scheduler:
             if self.failed is not None:
                 raise RuntimeError("the scheduler has stopped")
             self._inbox.append(req)
+            self._poked = True
             self._cv.notify()
 
     def abort(self, req: Request) -> None:
         """Ask for ``req`` to end with ``abort`` at the next step (a no-op once finished)."""
         req.aborted = True
         with self._cv:
+            self._poked = True
             self._cv.notify()
 
     @property
@@ -223,30 +230,25 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting) + len(self._inbox)
 
-    # --- the thread -----------------------------------------------------------------------
+    # --- one step -------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cv:
-                    while not (self._stop or self._inbox or self._running or self._waiting):
-                        self._cv.wait()
-                    if self._stop:
-                        return
-                    for req in self._inbox:
-                        req.order = self._order
-                        self._order += 1
-                        self._waiting.append(req)
-                    self._inbox.clear()
-                events: list[tuple[Request, Event]] = []
-                self._reap_aborted(events)
-                self._admit()
-                self._step(events)
-                if events:
-                    self.deliver(events)
-                self._gauges()
-        except BaseException as e:  # noqa: BLE001 - a PanicException too: nothing may hang
-            self._crash(e)
+    def step(self) -> None:
+        """One step on the calling thread: take what was submitted and aborted, admit what
+        fits, run one forward over the running requests, deliver the step's events."""
+        with self._cv:
+            self._poked = False
+            for req in self._inbox:
+                req.order = self._order
+                self._order += 1
+                self._waiting.append(req)
+            self._inbox.clear()
+        events: list[tuple[Request, Event]] = []
+        self._reap_aborted(events)
+        self._admit(events)
+        self._forward(events)
+        if events:
+            self.deliver(events)
+        self._gauges()
 
     def _gauges(self) -> None:
         m = self.metrics
@@ -266,6 +268,7 @@ class Scheduler:
             "kern_host_pages_free": s.host_pages_free,
             "kern_host_pages_parked": s.parked_pages,
             "kern_cache_nodes": s.num_nodes,
+            **self._arena_gauges,
         }
 
     def _crash(self, e: BaseException) -> None:
@@ -303,44 +306,29 @@ class Scheduler:
 
     # --- memory ---------------------------------------------------------------------------
 
-    def _land(self, evicted: list[Evicted]) -> None:
-        """Land park plans (device -> host) and count what the make-room loop took."""
+    def _make_room(self, pages: int, slots: int = 0) -> None:
+        """Evict until ``pages`` pages and ``slots`` slots are free (as far as the tree can
+        go) and land what was parked, before anything is allocated again."""
         m = self.metrics
-        r = self.runner
-        for ev in evicted:
+        plans = []
+        for ev in self.cache.make_room(pages, slots=slots):
             match ev:
                 case Evicted.Parked(_, plan, dropped):
                     m.num_parked += 1
                     m.num_dropped_parked += len(dropped)
-                    if plan.num_pages:
-                        src = _ids(plan.src_pages)
-                        self.host_kv[_ids(plan.dst_pages)] = r.read_pages(src).cpu()
-                    if plan.src_states and self.host_conv is not None:
-                        self._copy_states(plan.src_states, plan.dst_states, to_host=True)
+                    plans.append(plan)
                 case Evicted.Dropped(_, parked):
                     if parked:
                         m.num_dropped_parked += 1
                     else:
                         m.num_dropped_resident += 1
-
-    def _copy_states(self, src_b: bytes, dst_b: bytes, *, to_host: bool) -> None:
-        r = self.runner
-        assert r.conv_states is not None and r.delta_states is not None
-        assert self.host_conv is not None and self.host_delta is not None
-        src = torch.from_numpy(np.frombuffer(src_b, np.uint32).astype(np.int64))
-        dst = torch.from_numpy(np.frombuffer(dst_b, np.uint32).astype(np.int64))
-        if to_host:
-            self.host_conv[dst] = r.conv_states[src.to(r.device)].cpu()
-            self.host_delta[dst] = r.delta_states[src.to(r.device)].cpu()
-        else:
-            r.conv_states[dst.to(r.device)] = self.host_conv[src].to(r.device)
-            r.delta_states[dst.to(r.device)] = self.host_delta[src].to(r.device)
+        self.runner.park(plans)
 
     def _alloc_pages(self, n: int) -> list[int] | None:
         if n <= 0:
             return []
         if self.cache.pages_free < n:
-            self._land(self.cache.make_room(n))
+            self._make_room(n)
             if self.cache.pages_free < n:
                 return None
         return _ids(self.cache.alloc_pages(n))
@@ -349,7 +337,7 @@ class Scheduler:
         try:
             return self.cache.alloc_slot()
         except PoolFull:
-            self._land(self.cache.make_room(0, slots=1))
+            self._make_room(0, slots=1)
         try:
             return self.cache.alloc_slot()
         except PoolFull:
@@ -357,21 +345,17 @@ class Scheduler:
 
     def _wake(self, node: int, num_pages: int) -> bool:
         """Bring the parked part of ``node``'s path back (locked by the caller); it spans
-        about ``num_pages`` pages."""
+        about ``num_pages`` pages. False when the room cannot be had."""
         try:
             woken = self.cache.wake(node)
         except PoolFull:
-            self._land(self.cache.make_room(num_pages, slots=1 if self.stateful else 0))
+            self._make_room(num_pages, slots=1 if self.stateful else 0)
             try:
                 woken = self.cache.wake(node)
             except PoolFull:
                 return False
-        plan = woken.plan
         self.metrics.num_woken += len(woken.keys)
-        if plan.num_pages:
-            self.runner.write_pages(_ids(plan.dst_pages), self.host_kv[_ids(plan.src_pages)])
-        if plan.src_states and self.host_conv is not None:
-            self._copy_states(plan.src_states, plan.dst_states, to_host=False)
+        self.runner.wake(woken.plan)
         return True
 
     def _release(self, req: Request, *, snapshot: bool) -> None:
@@ -423,51 +407,78 @@ class Scheduler:
 
     # --- admission ------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self, events: list[tuple[Request, Event]]) -> None:
         while self._waiting and len(self._running) < self.max_running:
             req = self._waiting[0]
             if not self._try_admit(req):
+                if not self._running:
+                    # Nothing is locked now, so a request that passed check() fits; this is
+                    # a broken invariant, and the request ends instead of blocking the queue.
+                    print(
+                        f"kern: could not admit a {len(req.tokens)}-token request with "
+                        f"nothing running ({self.cache.pages_free} pages free); ending it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    self._waiting.popleft()
+                    self._finish(req, "abort", events)
+                    continue
                 return
             self._waiting.popleft()
             self._running.append(req)
 
     def _try_admit(self, req: Request) -> bool:
-        cache = self.cache
-        pt = self.pt
+        """Admit ``req`` with its longest usable hit, else with none; False if it cannot
+        have its pages (and slot) now. Leaves nothing allocated or locked when False."""
         key = _u32(req.tokens)
         cap = len(req.tokens) - 1  # recompute the last token for logits
-        m = cache.match(key)
+        m = self.cache.match(key)
         hit = self._usable_hit(m, cap)
-        node = m.node if hit > 0 else None
-        if node is not None:
-            cache.lock(node)
-            if m.resident_len < hit or (self.stateful and m.state_slot is None):
-                parked = -(-m.hit_len // pt) - m.resident_len // pt
-                if self._wake(node, parked):
-                    m = cache.match(key)
-                    hit = self._usable_hit(m, cap)
-                else:
-                    hit = 0 if self.stateful else min(hit, m.resident_len)
-            if hit == 0:
-                cache.unlock(node)
-                node = None
-        shared = _ids(m.pages)[: hit // pt] if hit else []
-        partial = hit % pt != 0
+        if hit > 0 and self._admit_with_hit(req, key, m, hit):
+            return True
+        return self._admit_at(req, None, None, 0)
+
+    def _admit_with_hit(self, req: Request, key: np.ndarray, m: Match, hit: int) -> bool:
+        cache = self.cache
+        node = m.node
+        assert node is not None
+        cache.lock(node)
+        cap = len(req.tokens) - 1
+        if m.resident_len < hit or (self.stateful and m.state_slot is None):
+            parked = -(-m.hit_len // self.pt) - m.resident_len // self.pt
+            if self._wake(node, parked):
+                m = cache.match(key)
+                hit = self._usable_hit(m, cap)
+            else:
+                # Without the parked part, a stateless hit keeps its resident prefix; a
+                # stateful one has no state to resume from.
+                hit = 0 if self.stateful else min(hit, m.resident_len)
+        if hit > 0 and self._admit_at(req, m, node, hit):
+            return True
+        cache.unlock(node)
+        return False
+
+    def _admit_at(self, req: Request, m: Match | None, node: int | None, hit: int) -> bool:
+        """Allocate what ``req`` needs past a ``hit``-token prefix (``m``'s, locked on
+        ``node`` by the caller) and start it there. False, with nothing allocated, if the
+        pages (or the slot) cannot be had."""
+        pt = self.pt
+        shared = _ids(m.pages)[: hit // pt] if m is not None and hit else []
         need = -(-len(req.tokens) // pt) - len(shared)
         slot = None
         if self.stateful:
             slot = self._alloc_slot()
-        own = self._alloc_pages(need) if (slot is not None or not self.stateful) else None
+            if slot is None:
+                return False
+        own = self._alloc_pages(need)
         if own is None:
             if slot is not None:
-                cache.free_slot(slot)
-            if node is not None:
-                cache.unlock(node)
+                self.cache.free_slot(slot)
             return False
-        if partial:
+        if m is not None and hit % pt:
             # The hit's last page is shared with the tree: copy it before writing past the hit.
             self.runner.copy_pages([_ids(m.pages)[hit // pt]], [own[0]])
-        if slot is not None and hit:
+        if slot is not None and m is not None and hit:
             assert m.state_slot is not None
             self.runner.copy_slots([m.state_slot], [slot])
         req.block_table = shared + own
@@ -480,7 +491,7 @@ class Scheduler:
             self.metrics.num_hit_tokens += hit
         return True
 
-    def _usable_hit(self, m: Any, cap: int) -> int:
+    def _usable_hit(self, m: Match, cap: int) -> int:
         if not self.stateful:
             return min(m.hit_len, cap)
         # A recurrent model resumes only from a state taken at exactly the hit length.
@@ -488,9 +499,9 @@ class Scheduler:
             return 0
         return m.state_len
 
-    # --- one step -------------------------------------------------------------------------
+    # --- the forward ----------------------------------------------------------------------
 
-    def _step(self, events: list[tuple[Request, Event]]) -> None:
+    def _forward(self, events: list[tuple[Request, Event]]) -> None:
         budget = self.max_step_tokens
         pt = self.pt
         plan: list[tuple[Request, int]] = []
@@ -533,10 +544,10 @@ class Scheduler:
         picked = sample(logits, [r.params for r in rows], [r.num_output for r in rows])
         now = time.perf_counter()
         m = self.metrics
-        for i, (req, tok) in enumerate(zip(rows, picked.tolist(), strict=True)):
+        for i, (req, tok) in enumerate(zip(rows, picked, strict=True)):
             lp = None
             if req.num_logprobs is not None:
-                lp = _logprobs(logits[i], tok, req.num_logprobs)
+                lp = logprobs(logits, i, tok, req.num_logprobs)
             req.tokens.append(tok)
             req.num_output += 1
             m.num_generated += 1
@@ -604,24 +615,8 @@ def start_scheduler(make: Callable[[], Scheduler]) -> Scheduler:
     return got
 
 
-def _default_pool_bytes(device: str) -> int:
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free * CUDA_FREE_SHARE)
-    return DEFAULT_POOL_BYTES
-
-
 def _decode_first(req: Request) -> tuple[int, int]:
     return (len(req.tokens) - req.num_computed > 1, req.order)
-
-
-def _logprobs(row: torch.Tensor, tok: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    lp = torch.log_softmax(row.float(), dim=-1)
-    top: list[tuple[int, float]] = []
-    if k:
-        values, ids = torch.topk(lp, k)
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return float(lp[tok]), top
 
 
 def _u32(ids: Sequence[int]) -> np.ndarray:
@@ -630,49 +625,3 @@ def _u32(ids: Sequence[int]) -> np.ndarray:
 
 def _ids(b: bytes) -> list[int]:
     return np.frombuffer(b, dtype=np.uint32).tolist()
-
-
-def build(target: Any) -> tuple[Any, Runner, Cache]:
-    """Load ``target``'s checkpoint and size the runner's arenas and the cache's books alike:
-    the Cache decides how many pages and slots a byte budget holds, the Runner allocates
-    exactly that many. Returns (checkpoint, runner, cache)."""
-    from kern.checkpoint import load_checkpoint
-
-    torch.set_num_threads(target.threads)
-    ckpt = load_checkpoint(target.checkpoint, device=target.device, dtype=target.dtype)
-    c = ckpt.config
-    elsize = 4 if target.device == "cpu" else 2
-    num_attn = sum(1 for t in c.layer_types if t != "linear_attention") or c.num_hidden_layers
-    num_lin = sum(1 for t in c.layer_types if t == "linear_attention")
-    page_bytes = num_attn * 2 * target.page_tokens * c.num_key_value_heads * c.head_dim * elsize
-    state_bytes = 0
-    if num_lin:
-        conv_dim = (
-            2 * c.linear_num_key_heads * c.linear_key_head_dim
-            + c.linear_num_value_heads * c.linear_value_head_dim
-        )
-        state_bytes = num_lin * (
-            conv_dim * (c.linear_conv_kernel_dim - 1) * elsize
-            + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-        )
-    device_bytes = target.pool_bytes or _default_pool_bytes(target.device)
-    cache = Cache(
-        page_tokens=target.page_tokens,
-        page_bytes=page_bytes,
-        device_bytes=device_bytes,
-        state_bytes=state_bytes,
-        host_bytes=target.host_bytes,
-    )
-    runner = Runner(
-        ckpt,
-        num_pages=cache.num_chunks * cache.pages_per_chunk,
-        page_tokens=target.page_tokens,
-        num_slots=cache.num_chunks * cache.slots_per_chunk if num_lin else 0,
-        device=target.device,
-    )
-    if runner.page_bytes != page_bytes or runner.slot_bytes != state_bytes:
-        raise RuntimeError(
-            f"page/slot bytes: runner {runner.page_bytes}/{runner.slot_bytes}, "
-            f"scheduler {page_bytes}/{state_bytes}"
-        )
-    return ckpt, runner, cache

@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kern.cli import UsageError
+    from kern.errors import UsageError
     from kern.toml_config import load_toml_config
 
     if args.config is not None:

@@ -47,7 +47,9 @@ def best(fn: Callable[[], None], repeat: int) -> float:
 
 def kern_prefill(ckpt: Checkpoint, prompts: list[list[int]], page: int, repeat: int) -> float:
     pages = -(-len(prompts[0]) // page) + 1
-    runner = Runner(ckpt, num_pages=pages * len(prompts), page_tokens=page, num_slots=len(prompts))
+    runner = Runner.with_pages(
+        ckpt, num_pages=pages * len(prompts), page_tokens=page, num_slots=len(prompts)
+    )
     tables = [list(range(i * pages, (i + 1) * pages)) for i in range(len(prompts))]
     batch = [
         SeqChunk(p, 0, t, slot=i) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
@@ -61,7 +63,7 @@ def kern_decode(
 ) -> float:
     n = len(prompts)
     pages = -(-(len(prompts[0]) + steps + 1) // page)
-    runner = Runner(ckpt, num_pages=pages * n, page_tokens=page, num_slots=n)
+    runner = Runner.with_pages(ckpt, num_pages=pages * n, page_tokens=page, num_slots=n)
     tables = [list(range(i * pages, (i + 1) * pages)) for i in range(n)]
     greedy = [SamplingParams()] * n
     logits = runner.forward(

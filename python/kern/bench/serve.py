@@ -60,7 +60,7 @@ class _Result:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kern.cli import UsageError
+    from kern.errors import UsageError
 
     try:
         levels = [int(x) for x in args.concurrency.split(",")]
@@ -186,21 +186,43 @@ def _row(level: int, results: list[_Result], wall: float) -> dict:
     }
 
 
-def _runner_rate(args: argparse.Namespace, runner, batch: int, repeat: int = 2) -> float:
+def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) -> float:
     """Decode tokens/s of ``runner.forward`` over ``batch`` sequences: the best of ``repeat``
     runs of ``max_tokens`` steps from the prompt's end, so the contexts are the ones the
     load's requests decode at (the scheduler's decode shapes, built from Python values and
-    sampled greedily every step). Uses the runner's first pages: the cache is still empty."""
+    sampled greedily every step). Pages and slots come from the (still empty) cache and go
+    back to it after."""
+    import numpy as np
+
+    from kern.pool import PoolFull
+
+    runner, cache = engine.runner, engine.cache
+    pt = runner.page_tokens
+    per_seq = -(-(args.prompt_tokens + args.max_tokens) // pt)
+    try:
+        pages = np.frombuffer(cache.alloc_pages(batch * per_seq), np.uint32).tolist()
+        slots = [cache.alloc_slot() for _ in range(batch)] if runner.stateful else [None] * batch
+    except PoolFull:
+        raise SystemExit(
+            f"--baseline-model: the default pool is too small for batch {batch}"
+        ) from None
+    tables = [pages[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+    try:
+        return _decode_rate(args, runner, tables, slots, repeat)
+    finally:
+        cache.free_pages(np.asarray(pages, np.uint32))
+        for slot in slots:
+            if slot is not None:
+                cache.free_slot(slot)
+
+
+def _decode_rate(args: argparse.Namespace, runner, tables, slots, repeat: int) -> float:
     from kern.batch import SeqChunk
     from kern.sampler import GREEDY, sample
 
-    pt = runner.page_tokens
-    per_seq = -(-(args.prompt_tokens + args.max_tokens) // pt)
-    if batch * per_seq > runner.num_pages or (runner.stateful and batch > runner.num_slots):
-        raise SystemExit(f"--baseline-model: the default pool is too small for batch {batch}")
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    batch = len(tables)
     prompt = [1] * args.prompt_tokens
-    runner.forward([SeqChunk(prompt, 0, t, slot=i) for i, t in enumerate(tables)])
+    runner.forward([SeqChunk(prompt, 0, t, slot=s) for t, s in zip(tables, slots, strict=True)])
     params = [GREEDY] * batch
     pos = args.prompt_tokens
     n = args.max_tokens
@@ -209,8 +231,8 @@ def _runner_rate(args: argparse.Namespace, runner, batch: int, repeat: int = 2) 
         toks = [1] * batch
         t0 = time.perf_counter()
         for s in range(n):
-            chunks = [SeqChunk([toks[i]], pos + s, t, slot=i) for i, t in enumerate(tables)]
-            toks = sample(runner.forward(chunks), params, [s] * batch).tolist()
+            chunks = [SeqChunk([toks[i]], pos + s, t, slot=slots[i]) for i, t in enumerate(tables)]
+            toks = sample(runner.forward(chunks), params, [s] * batch)
         best = min(best, time.perf_counter() - t0)
     return batch * n / best
 
@@ -225,7 +247,8 @@ def _baselines(
     import threading
     from pathlib import Path
 
-    from kern.scheduler import Request, Scheduler, build, start_scheduler
+    from kern.engine import Engine
+    from kern.scheduler import Request, Scheduler, start_scheduler
     from kern.toml_config import Target
 
     target = Target(
@@ -237,17 +260,10 @@ def _baselines(
     done = threading.Event()
 
     def make() -> Scheduler:
-        ckpt, runner, cache = build(target)
+        engine = Engine.load(target)
         for level in levels:
-            runner_rates[level] = _runner_rate(args, runner, level)
-        state["sched"] = Scheduler(
-            runner,
-            cache,
-            eos_token_ids=ckpt.tokenizer.eos_token_ids,
-            max_model_len=ckpt.config.max_position_embeddings,
-            deliver=deliver,
-            on_crash=lambda e: done.set(),
-        )
+            runner_rates[level] = _runner_rate(args, engine, level)
+        state["sched"] = engine.scheduler(deliver, on_crash=lambda e: done.set())
         # Queued before the loop starts; later levels are submitted from deliver, so only
         # the scheduler's thread ever touches state.
         next_level()

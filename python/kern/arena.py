@@ -1,0 +1,171 @@
+"""One byte arena per budget, viewed as KV pages and as state slots, and the copies that land
+the cache's park and wake plans.
+
+Design notes
+------------
+* The arena is exactly ``geometry.arena_bytes`` bytes (the pool's chunks, nothing else): page
+  ``p`` is the ``page_bytes`` at ``p * page_bytes``, slot ``s`` the ``slot_stride`` bytes at
+  ``s * slot_stride``. Both views cover the same bytes; the pool's books guarantee that a
+  chunk backs pages or slots, never both in use, so when a class takes a chunk from the other
+  the views follow with no copy and no re-allocation.
+* Bytes a class inherits from the other are not cleared: a slot is zeroed when a sequence
+  starts in it and overwritten whole by a snapshot copy or a wake, and attention reads a page
+  only at positions the sequence wrote (the CPU's batched attention gives the other positions
+  probability 0, the Triton kernel masks their loads), so stale bytes are never an input.
+  The device arena starts zeroed all the same, so even a masked read of a never-written page
+  sees finite numbers; the host arena is only ever read where a park wrote it, and is left
+  unwritten (the OS maps it on first touch).
+* Plans are landed as raw rows of bytes: one gather and one scatter per arena for a whole
+  list of park plans (not one per evicted entry), one per arena for a wake. A park list can
+  reuse host slots: ``Evicted.Parked(dropped=...)`` drops an entry parked earlier in the same
+  list and gives its host pages to a later one, so for a destination named twice only the
+  last copy counts (an index copy with repeated destinations keeps an arbitrary one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kern.layout import Layout
+
+__all__ = ["Arena", "Geometry", "land"]
+
+# A slot's offset and stride are multiples of this many bytes (as the pool's are), so its
+# float32 part can be viewed in place.
+SLOT_ALIGN = 16
+
+
+class PoolGeometry(Protocol):
+    """``kern.pool.Geometry``, as far as an arena reads it."""
+
+    @property
+    def page_bytes(self) -> int: ...
+    @property
+    def slot_stride(self) -> int: ...
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def arena_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Where page ``p`` (``p * page_bytes``) and slot ``s`` (``slot_offset + s * slot_stride``)
+    sit in an arena of ``arena_bytes``. A pool's geometry aliases the two (offset 0, both
+    spanning the arena); :meth:`separate` gives pages and slots bytes of their own."""
+
+    page_bytes: int
+    num_pages: int
+    slot_stride: int
+    num_slots: int
+    arena_bytes: int
+    slot_offset: int = 0
+
+    @classmethod
+    def of_pool(cls, g: PoolGeometry) -> Geometry:
+        return cls(g.page_bytes, g.num_pages, g.slot_stride, g.num_slots, g.arena_bytes)
+
+    @classmethod
+    def separate(cls, layout: Layout, num_pages: int, num_slots: int) -> Geometry:
+        """``num_pages`` pages, then ``num_slots`` slots, in one buffer, none shared: for a
+        runner that owns its memory outright (``kern run``, tests, benchmarks)."""
+        num_slots = num_slots if layout.stateful else 0
+        stride = -(-layout.state_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        offset = -(-num_pages * layout.page_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        total = offset + num_slots * stride if num_slots else num_pages * layout.page_bytes
+        return cls(layout.page_bytes, num_pages, stride, num_slots, total, offset)
+
+
+class Arena:
+    """``geometry.arena_bytes`` bytes on ``device``, with typed views:
+
+    - ``pages`` [num_pages, *layout.page_shape] and ``page_rows`` [num_pages, page_bytes];
+    - for a stateful layout, ``delta`` [num_slots, *delta_shape] (float32), ``conv``
+      [num_slots, *conv_shape] and ``slot_rows`` [num_slots, state_bytes].
+
+    ``zero=False`` leaves the bytes unwritten (the host tier, see the notes); ``pin=True``
+    page-locks a CPU arena so copies to and from a GPU run asynchronously at full speed.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        geometry: Geometry,
+        device: torch.device,
+        *,
+        zero: bool = True,
+        pin: bool = False,
+    ) -> None:
+        if geometry.page_bytes != layout.page_bytes:
+            raise ValueError(
+                f"the pool cuts {geometry.page_bytes}-byte pages, the layout needs "
+                f"{layout.page_bytes}"
+            )
+        if layout.stateful and geometry.slot_stride < layout.state_bytes:
+            raise ValueError(
+                f"the pool's slots are {geometry.slot_stride} bytes apart, a state needs "
+                f"{layout.state_bytes}"
+            )
+        self.layout = layout
+        self.num_pages = geometry.num_pages
+        self.num_slots = geometry.num_slots if layout.stateful else 0
+        make = torch.zeros if zero else torch.empty
+        self.buffer = make(geometry.arena_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        page_bytes = layout.page_bytes
+        self.page_rows = self.buffer[: self.num_pages * page_bytes].view(self.num_pages, page_bytes)
+        self.pages = self.page_rows.view(layout.dtype).view(self.num_pages, *layout.page_shape)
+        self.slot_rows: Tensor | None = None
+        self.delta: Tensor | None = None
+        self.conv: Tensor | None = None
+        if self.num_slots:
+            stride = geometry.slot_stride
+            first = geometry.slot_offset
+            rows = self.buffer[first : first + self.num_slots * stride].view(self.num_slots, stride)
+            split = layout.delta_bytes
+            self.slot_rows = rows[:, : layout.state_bytes]
+            self.delta = rows[:, :split].view(torch.float32).view(-1, *layout.delta_shape)
+            self.conv = (
+                rows[:, split : layout.state_bytes].view(layout.dtype).view(-1, *layout.conv_shape)
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
+def land(
+    dst: Arena,
+    src: Arena,
+    page_pairs: Sequence[tuple[bytes, bytes]],
+    slot_pairs: Sequence[tuple[bytes, bytes]],
+) -> None:
+    """Copy pages and slots from ``src`` to ``dst``: each pair is (source ids, destination
+    ids) as little-endian uint32 bytes, as the cache's plans carry them. One gather and one
+    scatter per kind for the whole list; a destination named twice gets its last copy."""
+    _copy_rows(dst.page_rows, src.page_rows, page_pairs)
+    if dst.slot_rows is not None and src.slot_rows is not None:
+        _copy_rows(dst.slot_rows, src.slot_rows, slot_pairs)
+
+
+def _copy_rows(dst: Tensor, src: Tensor, pairs: Sequence[tuple[bytes, bytes]]) -> None:
+    src_ids = np.frombuffer(b"".join(s for s, _ in pairs), dtype="<u4")
+    dst_ids = np.frombuffer(b"".join(d for _, d in pairs), dtype="<u4")
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"a plan pairs {len(src_ids)} sources with {len(dst_ids)} destinations")
+    if not len(dst_ids):
+        return
+    # Keep each destination's last copy: unique over the reversed list finds last occurrences.
+    _, last = np.unique(dst_ids[::-1], return_index=True)
+    keep = np.sort(len(dst_ids) - 1 - last)
+    s = torch.from_numpy(src_ids[keep].astype(np.int64))
+    d = torch.from_numpy(dst_ids[keep].astype(np.int64))
+    rows = src.index_select(0, s.to(src.device))
+    dst.index_copy_(0, d.to(dst.device), rows.to(dst.device))

@@ -1,0 +1,114 @@
+"""The engine: the one place that turns a target into a loaded model, its arenas, its cache's
+books and a scheduler. ``kern serve``, ``hypercorn kern.app:app``, ``kern bench`` and the tests
+all build through it.
+
+Design notes
+------------
+* Sizes are computed once: ``Layout.of`` says what a page and a slot hold for this model on
+  this backend; the cache's pool cuts the budgets into chunks from those byte counts; the
+  runner allocates exactly the arenas the pool's geometry describes (one device arena of
+  ``num_chunks * chunk_bytes``, within one chunk of ``pool_bytes``; one host arena likewise
+  for ``host_bytes``). Nothing is sized twice, so nothing has to be checked against itself.
+* Everything here runs on the thread that will run the scheduler (``start_scheduler``): the
+  model is loaded where it will be used (see ``kern.scheduler.start_scheduler``).
+* ``ops`` is the backend; a caller may pass its own (the reference path, or a failing one in
+  the crash test) instead of threading flags through the layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kern.arena import Geometry
+from kern.checkpoint import Checkpoint, load_checkpoint
+from kern.layout import Layout
+from kern.metrics import Metrics
+from kern.models.ops import Ops, make_ops
+from kern.pool import Cache
+from kern.runner import Runner
+from kern.scheduler import Event, Request, Scheduler
+from kern.toml_config import Target
+
+__all__ = ["CUDA_FREE_SHARE", "DEFAULT_POOL_BYTES", "Engine"]
+
+# The CPU's device budget when a target names none: enough for the tiny models kern ships
+# and benchmarks (the runner zero-fills it at start, so it is not free to oversize).
+DEFAULT_POOL_BYTES = 256 * 2**20
+# On CUDA with no pool_bytes: this share of the memory free once the weights are loaded
+# (the rest is left to activations and the allocator's slack).
+CUDA_FREE_SHARE = 0.85
+
+
+@dataclass(frozen=True, eq=False)
+class Engine:
+    """A target, loaded: its checkpoint, layout, cache books and runner."""
+
+    target: Target
+    checkpoint: Checkpoint
+    layout: Layout
+    cache: Cache
+    runner: Runner
+
+    @classmethod
+    def load(cls, target: Target, *, ops: Ops | None = None) -> Engine:
+        """Pin the thread count, load ``target``'s checkpoint, size the arenas from its
+        budgets and build the runner over them (on ``ops``, default: the target's device)."""
+        torch.set_num_threads(target.threads)
+        ops = ops or make_ops(target.device)
+        ckpt = load_checkpoint(target.checkpoint, device=ops.device, dtype=ops.dtype)
+        layout = Layout.of(ckpt.config, ops.dtype, target.page_tokens)
+        cache = Cache(
+            page_tokens=target.page_tokens,
+            page_bytes=layout.page_bytes,
+            device_bytes=target.pool_bytes or default_pool_bytes(ops.device),
+            state_bytes=layout.state_bytes,
+            host_bytes=target.host_bytes,
+        )
+        host = cache.host
+        runner = Runner(
+            ckpt,
+            ops,
+            layout,
+            Geometry.of_pool(cache.device),
+            None if host is None else Geometry.of_pool(host),
+        )
+        return cls(target, ckpt, layout, cache, runner)
+
+    def scheduler(
+        self,
+        deliver: Callable[[list[tuple[Request, Event]]], None],
+        *,
+        metrics: Metrics | None = None,
+        on_crash: Callable[[BaseException], None] | None = None,
+        **limits: Any,
+    ) -> Scheduler:
+        """A scheduler over this engine's runner and cache (``limits``: ``max_step_tokens``,
+        ``max_running``)."""
+        return Scheduler(
+            self.runner,
+            self.cache,
+            eos_token_ids=self.checkpoint.tokenizer.eos_token_ids,
+            max_model_len=self.checkpoint.config.max_position_embeddings,
+            deliver=deliver,
+            metrics=metrics,
+            on_crash=on_crash,
+            **limits,
+        )
+
+    @property
+    def arena_bytes(self) -> tuple[int, int]:
+        """Bytes of the device arena and of the host arena (0 without a host tier)."""
+        host = self.runner.host
+        return self.runner.arena.nbytes, 0 if host is None else host.nbytes
+
+
+def default_pool_bytes(device: torch.device) -> int:
+    """The device budget when a target names none (see the constants above)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_FREE_SHARE)
+    return DEFAULT_POOL_BYTES
