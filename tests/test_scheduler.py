@@ -10,6 +10,13 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 from scheduler_harness import Harness, load
 
 from kern.scheduler import LimitError
@@ -92,10 +99,10 @@ def test_chunked_prefill_and_batching(qwen3):
     h.assert_idle_and_clean()
 
 
-def test_preemption_of_the_youngest(qwen3):
-    h = fresh(qwen3)
-    # Each needs 16 pages at the end (64 tokens): four fit at admission, not at the end.
-    reqs = [h.submit(prompt(20 + i, 24), 40, ignore_eos=True) for i in range(6)]
+def test_preemption_of_the_youngest(tiny_dir):
+    # 24 pages: five prompts of 5 pages are admitted, and each needs 8 pages by its end.
+    h = Harness(load(tiny_dir("qwen3"), pool_bytes=24 * QWEN3_PAGE, page_tokens=PT))
+    reqs = [h.submit(prompt(20 + i, 18), 14, ignore_eos=True) for i in range(5)]
     h.run()
     for r in reqs:
         h.assert_identical(r)
@@ -158,13 +165,16 @@ def test_slot_growth_from_two_and_the_request_end_snapshot(qwen3_5):
     h.assert_idle_and_clean()
 
 
-def test_stateful_preemption_parks_states(qwen3_5):
-    h = fresh(qwen3_5)
-    reqs = [h.submit(prompt(60 + i, 30), 50, ignore_eos=True) for i in range(6)]
+def test_stateful_preemption_parks_states(tiny_dir):
+    # 14 chunks of 3 pages or 1 slot, a host tier: four sequences of 32 tokens each need 3
+    # chunks of pages and one slot by their end, 16 chunks in all.
+    engine = load(tiny_dir("qwen3_5"), pool_bytes=14 * 12288, host_bytes=16 * 12288, page_tokens=PT)
+    h = Harness(engine)
+    reqs = [h.submit(prompt(60 + i, 12), 20, ignore_eos=True) for i in range(4)]
     h.run()
     for r in reqs:
         h.assert_identical(r)
-    assert h.sched.metrics.num_preempted > 0
+    assert h.sched.metrics.num_preempted > 0 and h.sched.metrics.num_parked > 0
     h.assert_idle_and_clean()
 
 
@@ -261,7 +271,7 @@ def test_the_loop_sleeps_when_there_is_nothing_to_run(tiny_dir):
 
 
 @settings(
-    max_examples=25,
+    max_examples=15,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -317,6 +327,90 @@ def test_random_traffic_finishes_identical_and_leaks_nothing(
         else:
             h.assert_identical(r)
     h.assert_idle_and_clean()
+
+
+class RandomTraffic(RuleBasedStateMachine):
+    """Arrivals, aborts and steps in any order on a random budget; after every rule the books
+    balance and every finished answer equals ``generate``'s; at the end everything finishes
+    within a bounded number of steps and nothing is left held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h: Harness | None = None
+        self.bases = [prompt(300 + i, 16) for i in range(3)]
+        self.aborted: set = set()
+        self.submitted: list = []
+
+    @initialize(
+        pool_pages=st.integers(3, 20),
+        host_pages=st.sampled_from([0, 6, 40]),
+        step_tokens=st.sampled_from([2, 9, 512]),
+        max_running=st.sampled_from([1, 3, 256]),
+    )
+    def start(self, pool_pages, host_pages, step_tokens, max_running):
+        engine = load(
+            default_model_path(),  # a qwen3 with the tiny one's page size
+            pool_bytes=pool_pages * QWEN3_PAGE,
+            host_bytes=host_pages * QWEN3_PAGE,
+            page_tokens=PT,
+        )
+        self.pool_tokens = pool_pages * PT
+        self.h = Harness(engine, max_step_tokens=step_tokens, max_running=max_running)
+
+    @rule(
+        base=st.integers(0, 2),
+        length=st.integers(1, 16),
+        max_tokens=st.integers(1, 6),
+        n=st.integers(1, 3),
+    )
+    def arrive(self, base, length, max_tokens, n):
+        assert self.h is not None
+        for i in range(n):
+            try:
+                req = self.h.submit(self.bases[base][:length], max_tokens, index=i)
+            except LimitError:
+                assert length + max_tokens > self.pool_tokens
+                return
+            self.submitted.append(req)
+
+    @rule(which=st.integers(0, 1000))
+    def abort(self, which):
+        assert self.h is not None
+        if self.h.open:
+            victim = self.h.open[which % len(self.h.open)]
+            self.h.abort(victim)
+            self.aborted.add(victim)
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        assert self.h is not None
+        for _ in range(steps):
+            self.h.step()
+
+    @invariant()
+    def finished_answers_are_identical(self):
+        if self.h is None:
+            return
+        for r in self.submitted:
+            if self.h.finished(r) and r not in self.aborted:
+                self.h.assert_identical(r)
+
+    def teardown(self):
+        if self.h is None:
+            return
+        self.h.run(max_steps=50 + 30 * len(self.submitted))
+        for r in self.submitted:
+            got = self.h.answer(r)
+            assert got == self.h.expected(r.prompt_ids, r.max_tokens)[: len(got)]
+            if r not in self.aborted:
+                self.h.assert_identical(r)
+        self.h.assert_idle_and_clean()
+
+
+def test_random_traffic_state_machine():
+    run_state_machine_as_test(
+        RandomTraffic, settings=settings(max_examples=15, stateful_step_count=12, deadline=None)
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_moe"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             models = {args.model.name: args.model.resolve()}
         else:
             models = {f: make_tiny(f, work / f, seed=1) for f in args.families.split(",") if f}
-        print(f"pool_bytes = {args.pool_bytes}, host_bytes = {args.host_bytes}; pid {os.getpid()}")
+        print(f"pool_bytes = {args.pool_bytes}, host_bytes = {args.host_bytes}")
         print(
             "| model | weights MiB | device arena MiB | host arena MiB | peak RSS MiB "
             "| RSS on a 1 MiB pool | RSS added by the budgets MiB |"
