@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from kern import pool
 from kern.layout import Layout
 
 __all__ = ["Arena", "Geometry", "land"]
@@ -39,21 +39,6 @@ __all__ = ["Arena", "Geometry", "land"]
 # A slot's offset and stride are multiples of this many bytes (as the pool's are), so its
 # float32 part can be viewed in place.
 SLOT_ALIGN = 16
-
-
-class PoolGeometry(Protocol):
-    """``kern.pool.Geometry``, as far as an arena reads it."""
-
-    @property
-    def page_bytes(self) -> int: ...
-    @property
-    def slot_stride(self) -> int: ...
-    @property
-    def num_pages(self) -> int: ...
-    @property
-    def num_slots(self) -> int: ...
-    @property
-    def arena_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +55,7 @@ class Geometry:
     slot_offset: int = 0
 
     @classmethod
-    def of_pool(cls, g: PoolGeometry) -> Geometry:
+    def of_pool(cls, g: pool.Geometry) -> Geometry:
         return cls(g.page_bytes, g.num_pages, g.slot_stride, g.num_slots, g.arena_bytes)
 
     @classmethod

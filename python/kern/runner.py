@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -44,21 +43,9 @@ from kern.checkpoint import Checkpoint
 from kern.layout import Layout
 from kern.models import Caches, build_model
 from kern.models.ops import Ops, make_ops
+from kern.pool import CopyPlan
 
-__all__ = ["CopyPlan", "Runner", "SeqChunk"]
-
-
-class CopyPlan(Protocol):
-    """``kern.pool.CopyPlan``: ids as little-endian uint32 bytes."""
-
-    @property
-    def src_pages(self) -> bytes: ...
-    @property
-    def dst_pages(self) -> bytes: ...
-    @property
-    def src_states(self) -> bytes: ...
-    @property
-    def dst_states(self) -> bytes: ...
+__all__ = ["Runner", "SeqChunk"]
 
 
 class Runner:
