@@ -105,3 +105,10 @@ def test_logprobs_are_the_log_softmax():
     assert [t for t, _ in top] == torch.topk(lp, 5).indices.tolist()
     assert [v for _, v in top] == torch.topk(lp, 5).values.tolist()
     assert logprobs(x, 0, 3, 0)[1] == []
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-30])
+def test_a_tiny_temperature_is_greedy_not_nan(temperature):
+    x = logits(8) * 50
+    p = SamplingParams(temperature=temperature, seed=1)
+    assert sample(x, [p] * 8, range(8)) == x.argmax(-1).tolist()

@@ -82,7 +82,11 @@ def logprobs(logits: Tensor, row: int, token: int, top: int) -> LogprobEntry:
 
 
 def _sample_row(logits: Tensor, p: SamplingParams, draw_id: int) -> int:
-    x = logits.detach().to("cpu", torch.float64) / p.temperature
+    x = logits.detach().to("cpu", torch.float64)
+    # The max first: a tiny temperature (1e-310 is valid) would make x / T overflow to inf
+    # and the softmax NaN; (x - max) / T is 0 at the top and at worst -inf elsewhere, so a
+    # temperature that underflows samples among the tied top tokens, as greedy would pick.
+    x = (x - x.max()) / p.temperature
     vocab = x.shape[0]
     # Descending by logit, ties by token id: a stable sort of the negated values.
     order = torch.argsort(-x, stable=True)
