@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kern.backend import make_ops
 from kern.batch import SeqChunk
 from kern.checkpoint import Checkpoint
-from kern.models.ops import make_ops
 from kern.runner import Runner
 from kern.sampler import SamplingParams, sample
 

@@ -39,11 +39,11 @@ import torch
 from torch import Tensor
 
 from kern.arena import Arena, Geometry, land
+from kern.backend import Ops, make_ops
 from kern.batch import SeqChunk, build_step, validate
 from kern.checkpoint import Checkpoint
 from kern.layout import Layout
 from kern.models import Caches, build_model
-from kern.models.ops import Ops, make_ops
 
 __all__ = ["CopyPlan", "Runner", "SeqChunk"]
 
