@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kern.backend import CudaOps, ReferenceOps, make_ops
+from kern.backend import cpu_attention as attention
+from kern.backend import cpu_recurrence as recurrent
+from kern.backend.cpu import MIN_ROWS, ROW_TILE, CpuOps
 from kern.batch import SeqChunk, build_step
 from kern.checkpoint import load_checkpoint
 from kern.kernels.causal_conv1d import reference as conv_ref
 from kern.kernels.gated_delta_rule import reference as gdr_ref
 from kern.kernels.paged_attention import reference as attn_ref
-from kern.models import attention, recurrent
-from kern.models import ops as ops_module
-from kern.models.ops import MIN_ROWS, ROW_TILE, CpuOps
-from kern.models.pointwise import silu
+from kern.kernels.pointwise import silu
 from kern.runner import Runner
 from kern.tiny import make_tiny
 
@@ -165,7 +166,7 @@ def test_onednn_linear_is_used_on_this_build():
 
 def _paged(gen, num_pages, hk, d):
     """Random K and V [P, PAGE, Hk, D], and the same in a CPU arena slice (the layout
-    kern.models.attention reads)."""
+    kern.backend.cpu_attention reads)."""
     k = torch.randn(num_pages, PAGE, hk, d, generator=gen)
     v = torch.randn(num_pages, PAGE, hk, d, generator=gen)
     cache = torch.zeros(num_pages, 2, hk, PAGE, d)
@@ -258,7 +259,8 @@ def test_recurrent_ops_match_references_bitwise():
     ref_states = conv_states.clone()
     ours = recurrent.causal_conv1d(plan, x, w, conv_states)
     qsl = torch.tensor(starts + [t])
-    # The reference's taps in the same order; its F.silu is swapped for kern's (see ops.py).
+    # The reference's taps in the same order; its pointwise(F.silu) is swapped for the CPU's
+    # silu (kern.kernels.pointwise).
     ref = conv_ref.causal_conv1d(x, w, None, ref_states, torch.tensor(slots), qsl, activation=None)
     assert torch.equal(ours, silu(ref))
     assert torch.equal(conv_states, ref_states)
@@ -302,7 +304,7 @@ def test_recurrent_ops_match_references_bitwise():
     torch.testing.assert_close(again, chunked, atol=1e-5, rtol=1e-5)
 
 
-class _InterpretedTritonOps(ops_module.CudaOps):
+class _InterpretedTritonOps(CudaOps):
     """The CUDA backend's code path with its Triton kernels run by the interpreter on CPU
     tensors, in float32: checks the wiring (layouts, strides, plans) the GPU will run."""
 
@@ -344,9 +346,9 @@ def test_triton_backend_matches_cpu(family, tmp_path, monkeypatch):
 def test_reference_backend_matches_cpu(family, tmp_path):
     ckpt = load_checkpoint(make_tiny(family, tmp_path / family))
     cpu = Runner.with_pages(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2)
-    ops = ops_module.make_ops("cpu", reference=True)
+    ops = make_ops("cpu", reference=True)
     ref = Runner.with_pages(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2, ops=ops)
-    assert isinstance(ref.ops, ops_module.ReferenceOps) and ref.dtype == torch.float32
+    assert isinstance(ref.ops, ReferenceOps) and ref.dtype == torch.float32
     _compare_backends(cpu, ref)
     with pytest.raises(ValueError, match="CPU only"):
-        ops_module.make_ops("cuda", reference=True)
+        make_ops("cuda", reference=True)

@@ -10,8 +10,9 @@ Design notes
   kern.toml target, else the embedded tiny model is served; ``KERN_API_KEY`` guards every
   route but ``/health``; ``KERN_MAX_BODY_BYTES`` bounds a request body.
 * Hang-ups: hypercorn speaks ASGI 2.1 and its ``send()`` keeps succeeding after a client has
-  gone (FACTS.md). So every generating handler runs a watcher on ``receive()`` beside it; on
-  ``http.disconnect`` it aborts the request's sequences (the scheduler frees them at its next
+  gone (seen with hypercorn 0.18: ``send()`` kept succeeding for 3 s after a hang-up while
+  ``receive()`` returned ``http.disconnect`` at once). So every generating handler runs a
+  watcher on ``receive()`` beside it; on ``http.disconnect`` it aborts the request's sequences (the scheduler frees them at its next
   step) and wakes the handler, queued or streaming alike.
 * Events cross from the scheduler thread once per step (``call_soon_threadsafe``), and a
   handler drains everything queued before it writes, so a busy stream sends a few tokens per

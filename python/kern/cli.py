@@ -6,7 +6,7 @@ Design notes
   2 the command line, the config file or the checkpoint it names is wrong, with one line on
   stderr that names the flag, key or file. A user's mistake never prints a traceback.
 * Torch's intra-op thread count is pinned before anything runs and printed with every result:
-  CPU float32 results can differ between 1 and 2 threads (FACTS.md), so an answer is only
+  CPU float32 results can differ between 1 and 2 threads (docs/invariance.md), so an answer is only
   comparable with one computed at the same count. The default is fixed
   (:data:`~kern.toml_config.DEFAULT_THREADS`), not the machine's core count.
 * ``kern run`` is one request alone, greedy unless a sampling flag is given: it stops after
@@ -192,7 +192,7 @@ def _resolve_target(args: argparse.Namespace) -> tuple[Target, str | None]:
         name = None
     if args.threads is not None:
         target = dataclasses.replace(target, threads=args.threads)
-    # Each backend computes in one dtype (kern.models.ops): anything else would be converted
+    # Each backend computes in one dtype (kern.backend): anything else would be converted
     # back, and the output would claim a dtype it did not use.
     backend_dtype = "float32" if target.device == "cpu" else "bfloat16"
     if target.dtype != backend_dtype:

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from kern.arena import Geometry
+from kern.backend import Ops, make_ops
 from kern.checkpoint import Checkpoint, load_checkpoint
 from kern.layout import Layout
 from kern.metrics import Metrics
-from kern.models.ops import Ops, make_ops
 from kern.pool import Cache
 from kern.runner import Runner
 from kern.scheduler import Event, Request, Scheduler

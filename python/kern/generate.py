@@ -14,7 +14,7 @@ Design notes
   rewound with ``Runner.keep_rows``. Identity is bitwise wherever the backend's forward is
   invariant to rows and chunking (the CPU backend, see docs/invariance.md).
 * ``threads`` pins torch's intra-op thread count: float32 results can differ between 1 and 2
-  threads (FACTS.md; docs/invariance.md), so ``kern run`` and the server run the same count.
+  threads (docs/invariance.md), so ``kern run`` and the server run the same count.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kern.backend import make_ops
 from kern.batch import SeqChunk
 from kern.checkpoint import Checkpoint
-from kern.models.ops import make_ops
 from kern.runner import Runner
 from kern.sampler import SamplingParams, sample
 
@@ -91,7 +91,7 @@ def generate(
     """Generate ``steps`` tokens after ``prompt_ids`` (greedy unless ``sampling`` says
     otherwise), verifying up to ``rows - 1`` drafted tokens per step, on ``device`` (the
     checkpoint's tensors are moved there by the runner), or through the torch reference path
-    (``reference=True``, CPU float32, see ``kern.models.ops.ReferenceOps``).
+    (``reference=True``, CPU float32, see ``kern.backend.ReferenceOps``).
 
     Raises ``ValueError`` for an empty prompt, ``steps < 0`` or ``rows < 1``.
     """

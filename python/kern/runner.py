@@ -12,7 +12,7 @@ Design notes
     ``page_tokens`` positions of every attention layer's K and V, contiguous, so copying,
     parking or waking a page is one row of the arena. Layer ``l`` reads and writes the
     strided view ``kv_arena[:, l]``; how K and V sit inside a page is the backend's choice
-    (the CPU stores K transposed, see ``kern.models.attention``), so read positions through
+    (the CPU stores K transposed, see ``kern.backend.cpu_attention``), so read positions through
     :meth:`Runner.kv_at`, not by indexing the arena.
   - State slots (stateful models): ``delta_states[num_slots, L_lin, Hv, Dk, Dv]`` (float32,
     as the delta rule keeps it) and ``conv_states[num_slots, L_lin, C, K-1]`` (model dtype),
@@ -38,11 +38,11 @@ import torch
 from torch import Tensor
 
 from kern.arena import Arena, Geometry, land
+from kern.backend import Ops, make_ops
 from kern.batch import SeqChunk, build_step, validate
 from kern.checkpoint import Checkpoint
 from kern.layout import Layout
 from kern.models import Caches, build_model
-from kern.models.ops import Ops, make_ops
 from kern.pool import CopyPlan
 
 __all__ = ["Runner", "SeqChunk"]

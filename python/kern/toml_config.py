@@ -29,8 +29,8 @@ from typing import Any
 __all__ = ["DEFAULT_THREADS", "KernConfig", "Target", "TomlConfigError", "load_toml_config"]
 
 # Torch intra-op threads when neither the target nor the command line names a count. Fixed
-# rather than os.cpu_count(): CPU float32 results differ between 1 and 2 threads (FACTS.md), so
-# the same command must not give different bits on a machine with more cores.
+# rather than os.cpu_count(): CPU float32 results can differ between 1 and 2 threads
+# (docs/invariance.md), so the same command must not give different bits on more cores.
 DEFAULT_THREADS = 2
 
 _DEVICES = re.compile(r"^(cpu|cuda(:\d+)?)$")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kern.backend import Ops
 from kern.config import ModelConfig
 from kern.models.layers import Caches, DecoderModel, Tensors
-from kern.models.ops import Ops
 from kern.models.qwen3 import Qwen3
 from kern.models.qwen3_5 import Qwen3_5
 from kern.models.qwen3_moe import Qwen3Moe

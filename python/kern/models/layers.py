@@ -2,7 +2,7 @@
 decoder stack around them (embedding, residual blocks, final norm, LM head).
 
 A model is plain tensors and functions of (step, caches): no ``nn.Module``, no autograd, no
-per-call state. Weights are prepared once by the backend (``ops.prepare_linear``: transposed
+per-call state. Weights are prepared once by the backend (``ops.prepare_linear``: reordered
 for the CPU's batch-invariant matmul) and projections that read the same input are fused into
 one matmul (q/k/v; gate/up), which splits its output columns exactly as separate matmuls would
 be laid out.
@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from kern.backend import Ops
 from kern.batch import Step
 from kern.config import ModelConfig
-from kern.models.ops import Ops
 
 Tensors = dict[str, Tensor]
 

@@ -6,9 +6,9 @@ offset), RoPE rotates whole heads, attention scale head_dim ** -0.5.
 
 from __future__ import annotations
 
+from kern.backend import Ops
 from kern.config import ModelConfig
 from kern.models.layers import Attention, DecoderLayer, DecoderModel, DenseMLP, Tensors
-from kern.models.ops import Ops
 
 
 class Qwen3(DecoderModel):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kern.backend import Ops
 from kern.batch import Step
 from kern.config import ModelConfig
 from kern.models.layers import (
@@ -33,7 +34,6 @@ from kern.models.layers import (
     Tensors,
     _param,
 )
-from kern.models.ops import Ops
 
 
 class GatedDeltaNet:

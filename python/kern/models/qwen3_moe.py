@@ -9,9 +9,9 @@ SwiGLU outputs. A layer is sparse unless it is in ``mlp_only_layers`` or
 Design notes: tokens are grouped by expert (a stable sort of the flattened top-k choices) and
 each expert runs one matmul pair over its tokens. How many tokens an expert gets depends on
 the whole batch, so the invariance of each token's result rests on the backend's matmul (on
-the CPU: row bits independent of the row count, see ``ops.py``). A token's expert outputs are
-then added in its top-k order, a fixed order of elementwise ops. (transformers adds them in
-expert-id order; the two differ by float32 rounding only.)
+the CPU: row bits independent of the row count, see ``kern.backend.cpu``). A token's expert
+outputs are then added in its top-k order, a fixed order of elementwise ops. (transformers
+adds them in expert-id order; the two differ by float32 rounding only.)
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kern.backend import Ops
 from kern.config import ModelConfig
 from kern.models.layers import Attention, DecoderLayer, DecoderModel, DenseMLP, Tensors
-from kern.models.ops import Ops
 
 
 class SparseMoE:

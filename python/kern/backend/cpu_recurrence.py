@@ -5,14 +5,15 @@ Design notes
 ------------
 * Same maths and op order as ``kern.kernels.causal_conv1d.reference`` and
   ``kern.kernels.gated_delta_rule.reference.gated_delta_rule_recurrent`` (tests compare the
-  bits), but one set of ops per step for all sequences instead of a Python loop per
-  sequence: a decode step of 32 sequences is ~10 ops per layer, not ~300.
+  bits; ``l2norm`` is the reference's own), but one set of ops per step for all sequences
+  instead of a Python loop per sequence: a decode step of 32 sequences is ~10 ops per layer,
+  not ~300.
 * The delta rule runs token by token everywhere on the CPU, prefill included. The chunked
   form (the reference's ``gated_delta_rule``, transformers' prefill) rounds differently for
   each way a prompt is split into chunks and differs from the decode step, so a state written
   by a chunked prefill, by a split prefill and by decoding would all differ in their last
-  bits; with one form a state's bits depend only on its tokens (DESIGN.md: a next turn reads a
-  state that decoding wrote, ``kern run`` recomputes it by prefill). The cost is a Python
+  bits; with one form a state's bits depend only on its tokens (a next turn reads a state
+  that decoding wrote, ``kern run`` recomputes it by prefill). The cost is a Python
   loop over the longest chunk's rows (~8 ops per row per linear layer) in prefill.
 * Every op is elementwise or a reduction over a fixed-length dim (``sum(-2)`` over the key
   dim), whose bits did not change with the batch size on torch 2.13; the conv sums its K taps
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kern.models.pointwise import silu
+from kern.kernels.gated_delta_rule.reference import l2norm
+from kern.kernels.pointwise import silu
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,11 +143,6 @@ def causal_conv1d(
     if snapshots is not None and plan.num_snapshots:
         snapshots.copy_(stacked[plan.conv_snap].transpose(1, 2))
     return silu(acc)
-
-
-def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """transformers' (and fla's) l2norm over the last dim."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def gated_delta_rule(

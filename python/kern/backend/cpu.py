@@ -1,0 +1,211 @@
+"""The CPU backend: float32 torch ops arranged so that a row's bits do not depend on its batch.
+
+Design notes
+------------
+* CPU numerics are chosen for batch invariance (a row's logits depend on its own tokens
+  only), measured on torch 2.13 / MKL, 2 threads (see docs/invariance.md):
+  - Linears go through oneDNN with the weight reordered once at load
+    (``torch.ops.mkldnn._linear_pointwise``, what inductor's frozen CPU graphs call): a row's
+    bits were the same for every M from 2 to 8192 at every shape tried (K x N from 64 x 256
+    to 2048 x 11008 and 1024 x 151936, 1 and 2 threads, on an AMD EPYC host), and it ran
+    1.3-2.3x faster than MKL at M = 32 on AMD EPYC (where MKL takes its AVX2 path). M = 1
+    differs (at K = 2048), so one row is padded to 2. MKL's ``x @ w`` is not a safe
+    default: on an AMD EPYC host at 2 threads its rows changed for M in 5-7 and 9-11 (it
+    splits M across threads), though on the earlier host they held for 4 <= M <= 128. It
+    stays only as the fallback for a torch without the oneDNN op: ``w`` transposed
+    ([in, out]), tiles of at most ``ROW_TILE`` rows, each padded to ``MIN_ROWS`` (12: no M
+    from 12 to 128 changed a row's bits on either host).
+  - ``torch.sigmoid``, ``F.silu`` and ``F.softplus`` are not batch invariant on the CPU
+    (their scalar tail loop and vectorized body differ by an ulp); sigmoid, silu and
+    softplus are composed from exp, log1p and division instead (``kern.kernels.pointwise``,
+    which holds the measurements).
+  - Row reductions (``mean(-1)``, ``sum(-1)`` over a fixed length) did not change with the
+    row count, so RMSNorm and RoPE are the references' ops in the references' order (bit
+    for bit), with the norm's ``offset + w`` folded once at load and RoPE's cos/sin tables
+    built once per step instead of in every layer.
+  - Attention and the recurrent mixers are batched CPU implementations of the references
+    (``cpu_attention.py``, ``cpu_recurrence.py``): the references loop over sequences in
+    Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kern.backend import cpu_attention as _cpu_attn
+from kern.backend import cpu_recurrence as _cpu_rec
+from kern.batch import Step
+from kern.kernels.pointwise import sigmoid, silu, softplus
+from kern.kernels.rotary import reference as _rotary_ref
+
+# The fallback ``x @ w`` path (see the notes above): tiles of at most ROW_TILE rows (rows
+# kept their bits up to 128 on the earlier host, not always past 160), padded to MIN_ROWS.
+ROW_TILE = 128
+MIN_ROWS = 12
+# oneDNN's rows differ between M = 1 and M >= 2, so a single row is padded to this many.
+ONEDNN_MIN_ROWS = 2
+
+
+def _has_onednn_linear() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class CpuLinear:
+    """A linear's weight as :meth:`CpuOps.linear` runs it: a oneDNN-reordered [out, in]
+    weight (``onednn``) or a plain [in, out] one."""
+
+    weight: Tensor
+    out_features: int
+    onednn: bool
+
+
+class CpuOps:
+    """float32 torch ops on the CPU, arranged so a row's bits do not depend on its batch."""
+
+    device = torch.device("cpu")
+    dtype = torch.float32
+    is_cpu = True
+
+    def __init__(self) -> None:
+        self.onednn = _has_onednn_linear()
+
+    def prepare_linear(self, w: Tensor) -> CpuLinear:
+        """A checkpoint's [out, in] weight in the layout :meth:`linear` runs (see the notes)."""
+        w = w.to(device=self.device, dtype=self.dtype)
+        if self.onednn:
+            # The batch-size hint only tunes the blocked layout; bits matched for 1, 32, 1024.
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 32)
+            return CpuLinear(packed, w.shape[0], True)
+        return CpuLinear(w.t().contiguous(), w.shape[0], False)
+
+    def linear(self, x: Tensor, w: CpuLinear, bias: Tensor | None = None) -> Tensor:
+        """x [M, in] through w; a row's bits do not depend on M (see the notes)."""
+        m = x.shape[0]
+        if m == 0:
+            out = x.new_empty(0, w.out_features)
+        elif w.onednn:
+            out = _pad_rows(x, ONEDNN_MIN_ROWS, lambda a: _onednn(a, w.weight))
+        elif m <= ROW_TILE:
+            out = _pad_rows(x, MIN_ROWS, lambda a: a @ w.weight)
+        else:
+            out = x.new_empty(m, w.out_features)
+            for i in range(0, m, ROW_TILE):
+                j = min(i + ROW_TILE, m)
+                if j - i >= MIN_ROWS:
+                    torch.mm(x[i:j], w.weight, out=out[i:j])
+                else:
+                    out[i:j] = _pad_rows(x[i:j], MIN_ROWS, lambda a: a @ w.weight)
+        if bias is not None:
+            out += bias
+        return out
+
+    def prepare_norm(self, w: Tensor, offset: float = 0.0) -> Tensor:
+        """An RMSNorm weight with its offset folded in: ``offset + w``, the very tensor the
+        reference multiplies by, computed once instead of per call."""
+        return offset + w.to(device=self.device, dtype=self.dtype)
+
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        """The reference's ``rms_norm`` (same ops, same order) with ``w`` from
+        :meth:`prepare_norm`; ``w`` may be [D] or broadcast over heads ([H, D])."""
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return x * variance.add_(eps).rsqrt_() * w
+
+    def gated_rms_norm(self, x: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
+        # The reference's op order, with a batch-invariant silu.
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return (w * (x * variance.add_(eps).rsqrt_())) * silu(z)
+
+    def plan_rope(self, positions: Tensor, theta: float, rotary_dim: int):
+        """cos and sin [T, 1, rotary_dim / 2] for the step, shared by every layer: the
+        reference's tables, built once per step instead of twice per layer."""
+        freqs = positions[:, None].float() * _rotary_ref.inv_freq(theta, rotary_dim)
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+    def rotary(self, x: Tensor, rope, rotary_dim: int) -> Tensor:
+        """The reference's ``apply_rotary`` on x [T, H, D] with the step's tables. Its
+        ``x1 * cos + (-x2) * sin`` is ``x1 * cos - x2 * sin`` bit for bit (negation is exact)."""
+        cos, sin = rope
+        half = rotary_dim // 2
+        x1 = x[..., :half]
+        x2 = x[..., half:rotary_dim]
+        parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+        if rotary_dim < x.shape[-1]:
+            parts.append(x[..., rotary_dim:])
+        return torch.cat(parts, dim=-1)
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        """silu(gate) * up as ``kern.kernels.pointwise.silu`` computes it, in one new buffer."""
+        inter = x.shape[-1] // 2
+        gate = x[:, :inter]
+        out = torch.neg(gate).exp_().add_(1.0)
+        torch.div(gate, out, out=out)
+        return out.mul_(x[:, inter:])
+
+    sigmoid = staticmethod(sigmoid)
+    silu = staticmethod(silu)
+    softplus = staticmethod(softplus)
+
+    def write_kv(self, step: Step, k: Tensor, v: Tensor, kv_cache: Tensor) -> None:
+        """k, v [T, Hk, D] into a layer's cache [P, 2, page_tokens, Hk, D] (the reference's
+        write, as row copies planned once per step)."""
+        _cpu_attn.write_kv(step.attention, k, v, kv_cache)
+
+    def plan_attention(self, step: Step, kv_arena: Tensor, group: int):
+        """kv_arena: the runner's [P, layers, 2, Hk, page_tokens, D] arena."""
+        _, _, _, hk, page_tokens, head_dim = kv_arena.shape
+        return _cpu_attn.plan_attention(
+            step.q_starts,
+            step.q_lens,
+            step.ctx_lens,
+            step.block_tables,
+            page_tokens,
+            hk,
+            group,
+            head_dim,
+            kv_arena.stride(0),
+            step.page_ids,
+            step.page_offsets,
+        )
+
+    def kv_views(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """A layer's K and V as [P, page_tokens, Hk, D] views (how this backend lays them
+        out inside a page is its own business)."""
+        return _cpu_attn.kv_views(kv_cache)
+
+    def attention(self, step: Step, q: Tensor, kv_cache: Tensor, scale: float) -> Tensor:
+        return _cpu_attn.attend(step.attention, q, kv_cache, scale)
+
+    def plan_recurrent(
+        self, step: Step, slots: list[int], snapshot_seqs: list[int], conv_width: int
+    ):
+        """The plan and, per snapshot sequence (batch index), its first snapshot row."""
+        return _cpu_rec.plan_recurrent(step.q_starts, step.q_lens, slots, snapshot_seqs, conv_width)
+
+    def causal_conv1d(self, step: Step, x, weight, conv_states, snapshots=None) -> Tensor:
+        return _cpu_rec.causal_conv1d(step.recurrent, x, weight, conv_states, snapshots)
+
+    def gated_delta_rule(self, step: Step, q, k, v, g, beta, states, scale, snapshots=None):
+        return _cpu_rec.gated_delta_rule(step.recurrent, q, k, v, g, beta, states, scale, snapshots)
+
+
+def _onednn(x: Tensor, packed: Tensor) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+
+
+def _pad_rows(x: Tensor, min_rows: int, fn) -> Tensor:
+    """fn(x), run on x zero padded to at least min_rows rows."""
+    m = x.shape[0]
+    if m >= min_rows:
+        return fn(x)
+    padded = x.new_zeros(min_rows, x.shape[1])
+    padded[:m] = x
+    return fn(padded)[:m]

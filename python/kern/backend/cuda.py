@@ -1,0 +1,210 @@
+"""The CUDA backend: bf16 Triton kernels (``kern.kernels.<op>.<op>``) and cuBLAS matmuls.
+
+Design notes
+------------
+* Written to the kernels' documented signatures; no GPU has run it, but
+  ``tests/test_runner.py`` runs it with the Triton interpreter on CPU tensors (float32)
+  against the CPU backend. It makes no invariance promise beyond what the kernels document.
+* Each kernel module is looked up by :meth:`CudaOps._kernel`, so the same wiring serves the
+  torch reference path (:class:`kern.backend.reference.ReferenceOps`), whose kernels have
+  the same signatures.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kern.batch import Step
+
+
+class CudaOps:
+    """bf16 Triton kernels (``kern.kernels.<op>.<op>``) and cuBLAS matmuls on a CUDA device."""
+
+    dtype = torch.bfloat16
+    is_cpu = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._attn = self._kernel("paged_attention")
+        self._norm = self._kernel("rms_norm")
+        self._rotary = self._kernel("rotary")
+        self._act = self._kernel("silu_and_mul")
+        self._conv = self._kernel("causal_conv1d")
+        self._gdr = self._kernel("gated_delta_rule")
+
+    def _kernel(self, op: str):
+        """The Triton wrapper of ``kern.kernels.<op>``; ReferenceOps takes the torch reference
+        (same signatures, so the wiring below serves both). Imported here: triton is only
+        needed (and only importable) where there is a GPU."""
+        return importlib.import_module(f"kern.kernels.{op}.{op}")
+
+    def prepare_linear(self, w: Tensor) -> Tensor:
+        return w.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+        return torch.nn.functional.linear(x, w, bias)
+
+    def prepare_norm(self, w: Tensor, offset: float = 0.0):
+        # The kernel takes the stored weight and the offset; a [H, D] stacked weight (fused
+        # q/k norms) is not a kernel shape, so it is kept as rows and applied per head group.
+        weight = w.to(device=self.device, dtype=self.dtype).contiguous()
+        runs = _runs(w) if w.dim() == 2 else None
+        return (weight, offset, runs)
+
+    def rms_norm(self, x: Tensor, w, eps: float) -> Tensor:
+        weight, offset, runs = w
+        if runs is None:
+            return self._norm.rms_norm(x, weight, eps, offset=offset)
+        # [T, H, D] with a per-head weight [H, D]: heads sharing a weight run together.
+        out = torch.empty_like(x)
+        for lo, hi in runs:
+            part = x[:, lo:hi].contiguous()
+            out[:, lo:hi] = self._norm.rms_norm(part, weight[lo], eps, offset=offset)
+        return out
+
+    def gated_rms_norm(self, x: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
+        return self._norm.gated_rms_norm(x, z, w, eps)
+
+    def plan_rope(self, positions: Tensor, theta: float, rotary_dim: int):
+        return (positions, theta)
+
+    def rotary(self, x: Tensor, rope, rotary_dim: int) -> Tensor:
+        positions, theta = rope
+        return self._rotary.apply_rotary(x, positions, theta, rotary_dim)
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        return self._act.silu_and_mul(x)
+
+    sigmoid = staticmethod(torch.sigmoid)
+    silu = staticmethod(torch.nn.functional.silu)
+    softplus = staticmethod(torch.nn.functional.softplus)
+
+    def kv_views(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        # [P, 2, Hk, page_tokens, D] -> K, V as [P, page_tokens, Hk, D] strided views, the
+        # kernels' layout (any strides, head_dim contiguous).
+        return kv_cache[:, 0].transpose(1, 2), kv_cache[:, 1].transpose(1, 2)
+
+    def write_kv(self, step: Step, k: Tensor, v: Tensor, kv_cache: Tensor) -> None:
+        k_cache, v_cache = self.kv_views(kv_cache)
+        self._attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+
+    def plan_attention(self, step: Step, kv_arena: Tensor, group: int):
+        dev = self.device
+        return _CudaAttentionPlan(
+            block_tables=step.block_tables.to(device=dev, dtype=torch.int32),
+            seq_lens=torch.tensor(step.ctx_lens, dtype=torch.int32, device=dev),
+            query_start_loc=_query_start_loc(step, dev),
+        )
+
+    def attention(self, step: Step, q: Tensor, kv_cache: Tensor, scale: float) -> Tensor:
+        p = step.attention
+        k_cache, v_cache = self.kv_views(kv_cache)
+        return self._attn.paged_attention(
+            q, k_cache, v_cache, p.block_tables, p.seq_lens, p.query_start_loc, scale
+        )
+
+    def plan_recurrent(
+        self, step: Step, slots: list[int], snapshot_seqs: list[int], conv_width: int
+    ):
+        dev = self.device
+        first, n = {}, 0
+        for b in snapshot_seqs:
+            first[b] = n
+            n += step.q_lens[b]
+        plan = _CudaRecurrentPlan(
+            slot_ids=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=_query_start_loc(step, dev),
+            decode_only=max(step.q_lens) == 1,
+            snapshot_seqs=tuple(snapshot_seqs),
+            snapshot_first=first,
+        )
+        return plan, first
+
+    def causal_conv1d(self, step: Step, x, weight, conv_states, snapshots=None) -> Tensor:
+        p = step.recurrent
+        if p.snapshot_seqs and snapshots is not None:
+            # The state after each row of a verify chunk is the K-1 inputs ending there:
+            # taken from the inputs before the call and the chunk's own rows.
+            before = conv_states[p.slot_ids].clone()
+            for b in p.snapshot_seqs:
+                s, n = step.q_starts[b], step.q_lens[b]
+                ext = torch.cat([before[b], x[s : s + n].t()], dim=1)  # [C, K-1 + n]
+                taps = before.shape[2]
+                for i in range(n):
+                    snapshots[p.snapshot_first[b] + i] = ext[:, i + 1 : i + 1 + taps]
+        return self._conv.causal_conv1d(
+            x.contiguous(),
+            weight,
+            None,
+            conv_states,
+            p.slot_ids,
+            p.query_start_loc,
+            activation="silu",
+        )
+
+    def gated_delta_rule(self, step: Step, q, k, v, g, beta, states, scale, snapshots=None):
+        p = step.recurrent
+        rep = v.shape[1] // k.shape[1]
+        # The kernels take value heads for q and k too (see their README), contiguous.
+        q, k = (t.repeat_interleave(rep, dim=1) if rep > 1 else t.contiguous() for t in (q, k))
+        v = v.contiguous()
+        if p.snapshot_seqs and snapshots is not None:
+            return self._delta_rule_rows(step, q, k, v, g, beta, states, scale, snapshots)
+        gdr = self._gdr
+        fn = gdr.gated_delta_rule_recurrent if p.decode_only else gdr.gated_delta_rule
+        return fn(q, k, v, g, beta, states, p.slot_ids, p.query_start_loc, scale=scale)
+
+    def _delta_rule_rows(self, step, q, k, v, g, beta, states, scale, snapshots):
+        """A step with verify chunks: one recurrent call per row index, so the state after
+        every row of a verify chunk can be copied out."""
+        gdr = self._gdr
+        p = step.recurrent
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        for i in range(max(step.q_lens)):
+            seqs = [b for b, n in enumerate(step.q_lens) if n > i]
+            rows = torch.tensor([step.q_starts[b] + i for b in seqs], device=v.device)
+            slots = p.slot_ids[torch.tensor(seqs, device=v.device)]
+            qsl = torch.arange(len(seqs) + 1, dtype=torch.int32, device=v.device)
+            out[rows] = gdr.gated_delta_rule_recurrent(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], states, slots, qsl, scale=scale
+            )
+            for b in p.snapshot_seqs:
+                if step.q_lens[b] > i:
+                    snapshots[p.snapshot_first[b] + i] = states[p.slot_ids[b]]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _CudaAttentionPlan:
+    block_tables: Tensor
+    seq_lens: Tensor
+    query_start_loc: Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _CudaRecurrentPlan:
+    slot_ids: Tensor
+    query_start_loc: Tensor
+    decode_only: bool
+    snapshot_seqs: tuple[int, ...]
+    snapshot_first: dict[int, int]
+
+
+def _runs(weight: Tensor) -> list[tuple[int, int]]:
+    """Maximal ranges of equal rows of a per-head weight [H, D]."""
+    runs, lo = [], 0
+    for h in range(1, weight.shape[0] + 1):
+        if h == weight.shape[0] or not torch.equal(weight[h], weight[lo]):
+            runs.append((lo, h))
+            lo = h
+    return runs
+
+
+def _query_start_loc(step: Step, device: torch.device) -> Tensor:
+    return torch.tensor(
+        step.q_starts + [step.q_starts[-1] + step.q_lens[-1]], dtype=torch.int32, device=device
+    )
