@@ -12,8 +12,9 @@ Design notes
 * Hang-ups: hypercorn speaks ASGI 2.1 and its ``send()`` keeps succeeding after a client has
   gone (seen with hypercorn 0.18: ``send()`` kept succeeding for 3 s after a hang-up while
   ``receive()`` returned ``http.disconnect`` at once). So every generating handler runs a
-  watcher on ``receive()`` beside it; on ``http.disconnect`` it aborts the request's sequences (the scheduler frees them at its next
-  step) and wakes the handler, queued or streaming alike.
+  watcher on ``receive()`` beside it; on ``http.disconnect`` it aborts the request's
+  sequences (the scheduler frees them at its next step) and wakes the handler, queued or
+  streaming alike.
 * Events cross from the scheduler thread once per step (``call_soon_threadsafe``), and a
   handler drains everything queued before it writes, so a busy stream sends a few tokens per
   write instead of one write per token.
