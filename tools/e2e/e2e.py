@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shlex
 import subprocess
 import sys
@@ -147,6 +148,9 @@ def _gate(args: argparse.Namespace, kern: list[str]) -> int:
         "kern": kern_id,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "wall_s": time.monotonic() - t_start,
+        # CPU seconds of the gate and every process it ran: unlike wall time, not inflated
+        # when other jobs share the machine.
+        "cpu_s": _cpu_seconds(),
     }
     json_file, md_file = write(out, reports, head)
     print(md_file.read_text(encoding="utf-8"))
@@ -223,6 +227,12 @@ def _has_gpu() -> bool:
     probe = "import torch; print(torch.cuda.is_available())"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     return out.stdout.strip() == "True"
+
+
+def _cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _log(line: str) -> None:

@@ -217,18 +217,25 @@ def _assemble(events: Iterator[dict[str, Any]], chat: bool) -> Answer:
 
 
 class ServerProcess:
-    """``kern serve --config CONFIG --target NAME`` on a free loopback port, its output in
-    ``log``. Use as a context manager: the server is stopped (SIGTERM, then SIGKILL) on exit."""
+    """``kern serve --config CONFIG --target NAME`` (without both: the embedded model) on a
+    free loopback port, its output in ``log``. Use as a context manager: the server is stopped
+    (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(
-        self, kern: list[str], config: Path, target: str, log: Path, *, start_limit: float
+        self,
+        kern: list[str],
+        config: Path | None,
+        target: str | None,
+        log: Path,
+        *,
+        start_limit: float,
     ) -> None:
         self.port = free_port()
         self.log_path = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        which = ["--config", str(config), "--target", target] if config and target else []
         self.proc = subprocess.Popen(
-            [*kern, "serve", "--config", str(config), "--target", target]
-            + ["--port", str(self.port)],
+            [*kern, "serve", *which, "--port", str(self.port)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),

@@ -34,7 +34,8 @@ def _cell(value: Any) -> str:
 
 def markdown(reports: list[TargetReport], head: dict[str, Any]) -> str:
     lines = [
-        f"Gate of {head['date']} ({head['machine']}), {head['wall_s']:.0f} s in all:",
+        f"Gate of {head['date']} ({head['machine']}): {head['wall_s']:.0f} s wall, "
+        f"{head['cpu_s']:.0f} s CPU in all processes.",
         "",
         f"    {head['command']}",
         "",
