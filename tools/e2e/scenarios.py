@@ -301,6 +301,9 @@ class TargetGate:
             ok = self.check(res, f"prompt {i}", got, self.refs[i])
             if ok and i not in self.excused_cold:
                 self.same(res, f"prompt {i} streamed vs whole", got, self.cold[i])
+        events = sum(a.num_events for a in self.streamed)
+        tokens = sum(len(a.ids) for a in self.streamed)
+        res.notes.append(f"{tokens} tokens came in {events} events")
 
     def mid_character(self, res: Result) -> None:
         """Answers that end inside a UTF-8 character: served text, whole and streamed, ends
@@ -322,13 +325,16 @@ class TargetGate:
                 f"{len(cases)} of {len(self.refs)} answers end mid-character, "
                 f"{verified} served texts compared"
             )
-            return
-        # None did: cut an answer where its text ends inside a character.
+        else:
+            self._cut_mid_character(res)
+
+    def _cut_mid_character(self, res: Result) -> None:
+        """No answer ended inside a character: cut one where its text does."""
         for i in COMPLETION:
             ref = self.refs[i]
             for n in range(len(ref.ids) - 1, 0, -1):
                 body = {"model": self.target.name, "tokens": ref.ids[:n]}
-                if self.client.post("/detokenize", body)["text"].endswith("\ufffd"):
+                if self.client.post("/detokenize", body)["prompt"].endswith("\ufffd"):
                     cut = self.oracle.answer(self.prompts[i].prompt, n, self.rows)
                     req = dataclasses.replace(self.prompts[i], max_tokens=n)
                     for stream in (False, True):
