@@ -201,6 +201,31 @@ def test_completion_matches_kern_run(server, ckpt):
     server.assert_no_leak()
 
 
+def test_text_ending_mid_character(server, ckpt):
+    # Answers cut inside a multi-byte character: the served text, whole or streamed, ends with
+    # the U+FFFD that decode (and so kern run) gives, instead of losing the last bytes.
+    tok = ckpt.tokenizer
+    cases = []
+    for prompt in _prompts(ckpt, 12, offset=900):
+        want = _reference(ckpt, prompt, 24)
+        cut = [n for n in range(1, len(want) + 1) if tok.decode(want[:n]).endswith("\ufffd")]
+        if cut:
+            cases.append((prompt, cut[-1]))
+    assert len(cases) >= 3
+    for prompt, steps in cases[:3]:
+        want = tok.decode(_reference(ckpt, prompt, steps), skip_special_tokens=True)
+        assert want.endswith("\ufffd")
+        assert server.complete(prompt, steps)["choices"][0]["text"] == want
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": steps, "temperature": 0}
+        parts = []
+        with server.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    parts += [c["text"] for c in json.loads(line[6:])["choices"]]
+        assert "".join(parts) == want
+    server.assert_no_leak()
+
+
 def test_openai_client(server):
     import openai
 

@@ -44,6 +44,37 @@ def test_stream_concatenation_equals_decode(tok, text):
     assert "".join(stream.step(i) for i in ids) == tok.decode(ids)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 511), max_size=60),
+    skip=st.booleans(),
+)
+def test_stream_of_any_ids_holds_at_most_an_unfinished_character(tok, ids, skip):
+    # Random ids split UTF-8 characters anywhere (a model's answer may end inside one).
+    # After each step everything decoded so far is out but a trailing U+FFFD, and
+    # finish() returns that, so the whole text is decode's, U+FFFD included.
+    stream = tok.stream(skip_special_tokens=skip)
+    out = ""
+    for n in range(len(ids)):
+        out += stream.step(ids[n])
+        so_far = tok.decode(ids[: n + 1], skip_special_tokens=skip)
+        assert out == so_far.removesuffix("\ufffd")
+    assert out + stream.finish() == tok.decode(ids, skip_special_tokens=skip)
+    assert stream.finish() == ""
+
+
+def test_stream_finish_returns_an_unfinished_character(tok):
+    head, char = tok.encode("a"), tok.encode("\u4e2d")  # a 3-byte character
+    assert len(char) == 3  # one id per byte in the tiny vocabulary
+    stream = tok.stream()
+    assert [stream.step(i) for i in [*head, *char[:2]]] == ["a", "", ""]
+    assert stream.finish() == "\ufffd"
+    assert tok.decode([*head, *char[:2]]) == "a\ufffd"
+    # A token that cannot continue the character releases its U+FFFD at once.
+    stream = tok.stream()
+    assert [stream.step(i) for i in [*head, char[0], *head]] == ["a", "", "\ufffda"]
+
+
 def test_special_tokens(tok):
     im_start, im_end, eot = (
         tok.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")

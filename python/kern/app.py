@@ -85,7 +85,7 @@ class _Choice:
         if not self.stops:
             self.pending = ""
             return buf, False
-        cut = min((i for s in self.stops if (i := buf.find(s)) >= 0), default=-1)
+        cut = self._stop_at(buf)
         if cut >= 0:
             self.pending = ""
             return buf[:cut], True
@@ -93,9 +93,17 @@ class _Choice:
         self.pending = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False
 
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+    def flush(self) -> tuple[str, bool]:
+        """At the sequence's end: the text held back (what might have begun a stop string,
+        and the detokenizer's trailing U+FFFD of an unfinished character, which ``decode``
+        and so ``kern run`` keep), and whether a stop string ended the choice."""
+        buf = self.pending + self.stream.finish()
+        self.pending = ""
+        cut = self._stop_at(buf)
+        return (buf, False) if cut < 0 else (buf[:cut], True)
+
+    def _stop_at(self, buf: str) -> int:
+        return min((i for s in self.stops if (i := buf.find(s)) >= 0), default=-1)
 
 
 class App:
@@ -450,8 +458,9 @@ class _Run:
                     ch.done = True
                     left -= 1
                     if ch.finish is None:
-                        ch.finish = reason
-                        out.append((ch, ch.flush(), reason))
+                        text, stopped = ch.flush()
+                        ch.finish = "stop" if stopped else reason
+                        out.append((ch, text, ch.finish))
             if out:
                 yield out
 

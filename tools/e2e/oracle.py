@@ -1,0 +1,266 @@
+"""The reference side of the gate: `kern run` answers, cached by everything that determines
+them, and the probe that alone may excuse a divergence.
+
+Design notes
+------------
+* A cached answer is keyed by the sha256 of: the installed kern (its version and every file
+  of the package, so a rebuilt kern never reuses an old answer), every file of the checkpoint
+  (and of a draft checkpoint), the target's resolved config (all keys, defaults filled), and
+  the `kern run` arguments (prompt or prompt ids, steps, rows, chat). A cache keyed on the
+  prompt alone once served a stale answer after a checkpoint changed under the same path.
+* A divergence (served ids != `kern run` ids) is excused only by the logits of that very
+  step: `kern run --prompt-ids <prompt + the shared answer> --steps 1 --rows R --probe-dir`,
+  excused when both tokens are within 4 float32 ULPs of the top logit. ``--rows`` is passed
+  even when it is 1: a probe left to the target's default rows probed a different shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kern.cli import probe_ulps, read_probe
+from kern.toml_config import Target
+
+__all__ = [
+    "MAX_ULPS",
+    "KernRunError",
+    "Oracle",
+    "Reference",
+    "Verdict",
+    "cache_key",
+    "judge",
+    "kern_fingerprint",
+    "target_fingerprint",
+    "tree_hash",
+]
+
+MAX_ULPS = 4
+
+
+class KernRunError(RuntimeError):
+    """`kern run` failed (the message has its command and the end of its stderr)."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A `kern run --json` answer."""
+
+    ids: list[int]
+    text: str
+    prompt_ids: list[int]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A served answer against its reference: ``identical`` (ids and text), else ``excused``
+    by the probe, else a failure; ``detail`` says what differed. ``gated`` false (a
+    multi-rank target) reports a divergence without failing."""
+
+    identical: bool
+    excused: bool
+    gated: bool
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.identical or self.excused or not self.gated
+
+
+def tree_hash(path: Path) -> str:
+    """sha256 over every file in a folder (names and bytes, sorted), or one file."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        if "__pycache__" in f.parts:
+            continue
+        h.update(str(f.relative_to(path) if f != path else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def kern_fingerprint() -> str:
+    """kern's version and a hash of the installed package (what `kern run` executes)."""
+    import kern
+
+    root = Path(kern.__file__).parent
+    return f"{importlib.metadata.version('kern')}+{tree_hash(root)[:16]}"
+
+
+def target_fingerprint(target: Target) -> dict[str, Any]:
+    """The target's resolved config with its files replaced by their hashes (the name and
+    the paths do not change an answer; the bytes do)."""
+    out = dataclasses.asdict(target)
+    del out["name"]
+    out["checkpoint"] = tree_hash(Path(target.checkpoint))
+    if target.draft is not None and target.draft != "ngram":
+        out["draft"] = tree_hash(Path(target.draft))
+    return json.loads(json.dumps(out))  # tuples -> lists, paths -> str
+
+
+def cache_key(kern_id: str, target: dict[str, Any], args: list[str]) -> str:
+    material = json.dumps({"kern": kern_id, "target": target, "args": args}, sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()
+
+
+class Oracle:
+    """`kern run` for one target: answers (cached) and probes."""
+
+    def __init__(
+        self,
+        kern: list[str],
+        config: Path,
+        target: Target,
+        *,
+        kern_id: str,
+        cache_dir: Path | None,
+        work_dir: Path,
+        timeout: float,
+    ) -> None:
+        self.kern = kern
+        self.config = config
+        self.target = target
+        self.kern_id = kern_id
+        self.fingerprint = target_fingerprint(target)
+        self.cache_dir = cache_dir
+        self.work_dir = work_dir
+        self.timeout = timeout
+        self._memo: dict[str, Reference] = {}
+        self.num_runs = 0  # `kern run` processes started
+        self.num_cached = 0  # answers taken from the cache
+        self.num_probes = 0
+
+    def _run(self, args: list[str]) -> dict[str, Any]:
+        cmd = [*self.kern, "run", "--config", str(self.config), "--target", self.target.name]
+        cmd += args
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            raise KernRunError(f"{_show(cmd)}: no answer after {self.timeout:.0f}s") from None
+        if out.returncode != 0:
+            tail = "\n".join(out.stderr.strip().splitlines()[-5:])
+            raise KernRunError(f"{_show(cmd)}: exit {out.returncode}\n{tail}")
+        return json.loads(out.stdout)
+
+    def answer(self, prompt: str | list[int], steps: int, rows: int, *, chat: bool = False):
+        """`kern run`'s answer to ``prompt`` (text, or ids) alone, greedy, ``steps`` tokens
+        at most (stopping at end-of-sequence, as the server does)."""
+        if isinstance(prompt, str):
+            args = ["--prompt", prompt] + (["--chat"] if chat else [])
+        else:
+            if chat:
+                raise ValueError("a chat prompt is text")
+            args = ["--prompt-ids", ",".join(map(str, prompt))]
+        args += ["--steps", str(steps), "--rows", str(rows), "--json"]
+        key = cache_key(self.kern_id, self.fingerprint, args)
+        if key in self._memo:
+            return self._memo[key]
+        file = self.cache_dir / f"{key}.json" if self.cache_dir is not None else None
+        if file is not None and file.is_file():
+            out = json.loads(file.read_text(encoding="utf-8"))
+            self.num_cached += 1
+        else:
+            out = self._run(args)
+            self.num_runs += 1
+            if file is not None:
+                _write_atomic(file, json.dumps(out, ensure_ascii=False))
+        ref = Reference(out["ids"], out["text"], out["prompt_ids"], out["finish_reason"])
+        self._memo[key] = ref
+        return ref
+
+    def probe_args(self, context: list[int], rows: int, probe_dir: Path, label: str) -> list[str]:
+        return [
+            "--prompt-ids",
+            ",".join(map(str, context)),
+            "--steps",
+            "1",
+            "--rows",
+            str(rows),
+            "--probe-dir",
+            str(probe_dir),
+            "--probe-steps",
+            "0",
+            "--probe-labels",
+            label,
+            "--json",
+        ]
+
+    def excuse(self, context: list[int], tokens: tuple[int, int], rows: int) -> tuple[bool, str]:
+        """Whether both ``tokens`` are within :data:`MAX_ULPS` of the top logit after
+        ``context`` (a fresh `kern run` probe at ``rows``), and what the probe saw."""
+        self.num_probes += 1
+        label = f"probe-{self.num_probes}"
+        probe_dir = self.work_dir / "probes"
+        self._run(self.probe_args(context, rows, probe_dir, label))
+        probe = read_probe(probe_dir / f"{label}.json")
+        top = probe["logits_f32_bits"][0]
+        seen = []
+        ok = True
+        for t in tokens:
+            bits = probe["by_id"].get(t)
+            if bits is None:
+                seen.append(f"{t}: not in the top {len(probe['ids'])}")
+                ok = False
+            else:
+                ulps = probe_ulps(bits, top)
+                seen.append(f"{t}: {ulps} ULPs under the top")
+                ok = ok and ulps <= MAX_ULPS
+        return ok, f"probe {label} at position {len(context) - 1}: " + ", ".join(seen)
+
+
+def judge(
+    oracle: Oracle,
+    prompt_ids: list[int],
+    served_ids: list[int],
+    served_text: str,
+    ref: Reference,
+    rows: int,
+    *,
+    gated: bool = True,
+) -> Verdict:
+    """A served answer against `kern run`'s: byte identity of ids and text, else the probe."""
+    if served_ids == ref.ids:
+        if served_text == ref.text:
+            return Verdict(True, False, gated)
+        return Verdict(
+            False,
+            False,
+            gated,
+            f"same ids, text differs: served {served_text!r}, kern run {ref.text!r}",
+        )
+    n = next(
+        (i for i, (a, b) in enumerate(zip(served_ids, ref.ids, strict=False)) if a != b),
+        min(len(served_ids), len(ref.ids)),
+    )
+    what = f"ids differ at step {n} of {len(ref.ids)}"
+    if n >= len(served_ids) or n >= len(ref.ids):
+        longer = "kern run" if n >= len(served_ids) else "the server"
+        return Verdict(False, False, gated, f"{what}: {longer} went on past the other's end")
+    what += f": served {served_ids[n]}, kern run {ref.ids[n]}"
+    excused, seen = oracle.excuse(prompt_ids + ref.ids[:n], (served_ids[n], ref.ids[n]), rows)
+    return Verdict(False, excused, gated, f"{what}; {seen}")
+
+
+def _write_atomic(file: Path, text: str) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, file)
+
+
+def _show(cmd: list[str]) -> str:
+    shown = [c if len(c) < 80 else c[:77] + "..." for c in cmd]
+    return " ".join(shown)
