@@ -109,8 +109,9 @@ def test_cache_key_covers_everything_that_determines_an_answer(tmp_path, fake_ke
     # The name and the path do not change an answer; the bytes do.
     renamed = Target(name="other", checkpoint=target.checkpoint)
     assert oracle.target_fingerprint(renamed) == oracle.target_fingerprint(target)
-    # The installed kern's fingerprint covers its version and its files.
-    assert "+" in oracle.kern_fingerprint()
+    # The installed kern's fingerprint covers its version, its files and its dependencies.
+    fingerprint = oracle.kern_fingerprint()
+    assert "+" in fingerprint and "torch==" in fingerprint and "tokenizers==" in fingerprint
 
 
 def test_no_cache_keeps_nothing_across_runs(tmp_path, fake_kern):

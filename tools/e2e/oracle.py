@@ -3,8 +3,9 @@ them, and the probe that alone may excuse a divergence.
 
 Design notes
 ------------
-* A cached answer is keyed by the sha256 of: the installed kern (its version and every file
-  of the package, so a rebuilt kern never reuses an old answer), every file of the checkpoint
+* A cached answer is keyed by the sha256 of: the installed kern (its version, every file of
+  the package, so a rebuilt kern never reuses an old answer, and the installed versions of
+  its dependencies), every file of the checkpoint
   (and of a draft checkpoint), the target's resolved config (all keys, defaults filled), and
   the `kern run` arguments (prompt or prompt ids, steps, rows, chat). A cache keyed on the
   prompt alone once served a stale answer after a checkpoint changed under the same path.
@@ -21,6 +22,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -92,11 +94,21 @@ def tree_hash(path: Path) -> str:
 
 
 def kern_fingerprint() -> str:
-    """kern's version and a hash of the installed package (what `kern run` executes)."""
+    """kern's version, a hash of the installed package (what `kern run` executes) and the
+    installed versions of its dependencies (torch computes the answer, tokenizers its text)."""
     import kern
 
     root = Path(kern.__file__).parent
-    return f"{importlib.metadata.version('kern')}+{tree_hash(root)[:16]}"
+    deps = []
+    for req in importlib.metadata.requires("kern") or []:
+        if "extra ==" in req:
+            continue
+        name = re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0]
+        try:
+            deps.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            deps.append(f"{name} missing")
+    return f"{importlib.metadata.version('kern')}+{tree_hash(root)[:16]} " + ",".join(deps)
 
 
 def target_fingerprint(target: Target) -> dict[str, Any]:
