@@ -298,11 +298,11 @@ def test_kern_bench_against_the_server(server):
     )
     assert out.returncode == 0, out.stderr
     table, js = out.stdout.strip().rsplit("\n", 1)
-    assert "| conc | req/s | out tok/s |" in table and "server/runner" in table
+    assert "| conc | ok | failed | req/s | out tok/s |" in table and "server/runner" in table
     rows = json.loads(js)
     assert [r["concurrency"] for r in rows] == [1, 3]
     for r in rows:
-        assert r["requests"] == 3 and r["output_tok_s"] > 0
+        assert r["requests"] == r["completed"] == 3 and r["output_tok_s"] > 0
         assert r["runner_tok_s"] > 0 and r["sched_tok_s"] > 0 and r["ratio"] > 0
     # The second and third requests of a level share the first's 16-token prefix (a page).
     assert rows[0]["cached_ratio"] > 0

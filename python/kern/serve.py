@@ -131,12 +131,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         with _interrupts_raise():
             engine = app.start()
+            summary = _summary(target, config.model_type, engine, app, sock)
+            _serve(app, sock, args, summary)
     except KeyboardInterrupt:
-        log.info("stopped while loading")
-        return 0
-    log.info("%s", _summary(target, config.model_type, engine, app, sock))
-    _serve(app, sock, args)
-    log.info("stopped")
+        log.info("stopped before serving")
+    else:
+        log.info("stopped")
     # Everything is closed; what interpreter teardown would add is torch's own (about 0.9 s
     # measured here, most of the 2 s a stop may take), freeing nothing a dying process needs.
     logging.shutdown()
@@ -163,7 +163,7 @@ def _summary(target, family: str, engine, app, sock: socket.socket) -> str:
     )
 
 
-def _serve(app, sock: socket.socket, args: argparse.Namespace) -> None:
+def _serve(app, sock: socket.socket, args: argparse.Namespace, summary: str) -> None:
     import asyncio
 
     from hypercorn.asyncio import serve
@@ -200,13 +200,16 @@ def _serve(app, sock: socket.socket, args: argparse.Namespace) -> None:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
+        # Said once a signal would drain: from here on a stop is clean.
+        log.info("%s", summary)
         await serve(app, config, shutdown_trigger=stop.wait)
 
     asyncio.run(main())
 
 
 class _interrupts_raise:
-    """While loading, SIGTERM stops the start like SIGINT does: quietly, exit 0."""
+    """Until the event loop handles signals, SIGTERM stops the start like SIGINT does:
+    quietly, exit 0."""
 
     def __enter__(self) -> None:
         self.previous = signal.signal(signal.SIGTERM, _raise_interrupt)
