@@ -9,7 +9,8 @@ Design notes
   then the model loads (a progress bar on a terminal), then one start-up line, then hypercorn
   serves the bound socket (handed over as ``fd://``). A mistake is one line and exit 2.
 * The socket is bound but not listening while the model loads: a client is refused then, never
-  left connected to a server that cannot answer yet.
+  left connected to a server that cannot answer yet. It listens just before the start-up line
+  is logged, so a client that reads "listening on" can connect at once.
 * Shutdown: the first SIGTERM or SIGINT drains the app (open streams end with ``abort`` and
   ``[DONE]``, requests waiting for a whole answer get a 503; see kern.app) and then asks
   hypercorn to stop, which closes idle connections at once. The process exits 0.
@@ -170,8 +171,6 @@ def _serve(app, sock: socket.socket, args: argparse.Namespace, summary: str) -> 
     from hypercorn.config import Config
 
     config = Config()
-    # hypercorn takes the bound socket over (and closes it when it stops).
-    config.bind = [f"fd://{sock.detach()}"]
     config.graceful_timeout = GRACEFUL_SECONDS
     error_log = logging.getLogger("hypercorn.error")
     # Its "Running on" line says less than the start-up line above; warnings still show.
@@ -200,8 +199,12 @@ def _serve(app, sock: socket.socket, args: argparse.Namespace, summary: str) -> 
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
-        # Said once a signal would drain: from here on a stop is clean.
+        # Listening from here (a client that connects now waits in the backlog for hypercorn
+        # to accept), and a signal drains: only now is the start-up line true.
+        sock.listen(config.backlog)
         log.info("%s", summary)
+        # hypercorn takes the socket over (and closes it when it stops).
+        config.bind = [f"fd://{sock.detach()}"]
         await serve(app, config, shutdown_trigger=stop.wait)
 
     asyncio.run(main())
