@@ -1,7 +1,7 @@
 """The published wheel, checked as a user gets it: its tags and files, then ``pip install`` into a
 fresh venv with no package index and serving the embedded model from there.
 
-Usage: .venv/bin/python scripts/check_wheel.py WHEEL
+Usage: .venv/bin/python scripts/check_wheel.py WHEEL (scripts/test runs it)
 
 The fresh venv starts with the wheel's dependencies already installed (hard links of the
 project venv's copies, only those that kern's own metadata asks for, so a missing
@@ -97,7 +97,8 @@ def link(dists: list[md.Distribution], site: Path) -> int:
 
 
 def serve_and_ask(venv_dir: Path, work: Path) -> str:
-    """``kern serve`` from the venv on a free port: one completion, one scrape, SIGTERM."""
+    """``kern serve`` from the venv on a free port: one completion, one scrape, ``kern bench``
+    (its HTTP client comes with the plain install), SIGTERM."""
     proc = subprocess.Popen(
         [str(venv_dir / "bin" / "kern"), "serve", "--port", "0"],
         cwd=work,
@@ -129,6 +130,13 @@ def serve_and_ask(venv_dir: Path, work: Path) -> str:
         assert '"finish_reason"' in answer, answer
         with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
             assert 'kern_generation_tokens_total{model_name="tiny-qwen3"}' in r.read().decode()
+        bench = [str(venv_dir / "bin" / "kern"), "bench", "--url", url, "--concurrency", "2"]
+        bench += ["--requests", "2", "--prompt-tokens", "8", "--shared-prefix", "4"]
+        out = subprocess.run(
+            [*bench, "--max-tokens", "4"], cwd=work, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert re.search(r"Successful requests:\s+2\n", out.stdout), out.stdout
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0, f"kern serve exited {proc.returncode}"
         return answer
