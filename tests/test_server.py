@@ -25,6 +25,20 @@ KEY = "test-key"
 MODEL = "tiny"
 
 
+def parse_metrics(text: str, model: str) -> dict[str, float]:
+    """Sample name, with its labels but ``model_name`` (asserted to be ``model``) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            assert labels.pop("model_name") == model, s
+            key = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out[s.name + (f"{{{key}}}" if key else "")] = s.value
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,7 +56,11 @@ class Server:
         env=None,
         checkpoint: Path | None = None,
         command: list[str] | None = None,
+        model: Path | None = None,
+        extra: tuple[str, ...] = (),
     ) -> None:
+        """A kern.toml target ``MODEL`` of ``checkpoint``; or, with ``model``, the folder
+        served by ``kern serve --model`` and flags, no kern.toml; or ``command``."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / f"{name}.toml"
@@ -53,9 +71,13 @@ class Server:
         self.log = open(tmp / f"{name}.log", "w+b")  # noqa: SIM115 - closed in close()
         # The installed package, as a user runs it (the source tree has no built extension).
         env = dict(os.environ, **(env or {}))
-        if command is None:
-            command = [sys.executable, "-m", "kern.cli", "serve", "--config", str(config)]
-            command += ["--target", MODEL, "--port", str(self.port), "--api-key", KEY]
+        serve = [sys.executable, "-m", "kern.cli", "serve", "--port", str(self.port)]
+        serve += ["--api-key", KEY, *extra]
+        if model is not None:
+            command = [*serve, "--model", str(model), "--served-model-name", MODEL]
+            command += ["--pool-bytes", pool_bytes, "--host-bytes", host_bytes]
+        elif command is None:
+            command = [*serve, "--config", str(config), "--target", MODEL]
         else:
             command = [c.replace("{port}", str(self.port)) for c in command]
             env.update(KERN_API_KEY=KEY, KERN_CONFIG=str(config), KERN_TARGET=MODEL)
@@ -87,20 +109,18 @@ class Server:
         return self.log.read().decode(errors="replace")
 
     def metrics(self) -> dict[str, float]:
-        text = self.http.get("/metrics").text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        """``/metrics`` as parsed by prometheus_client: sample name (with its labels other
+        than ``model_name``, which every sample must carry) -> value."""
+        return parse_metrics(self.http.get("/metrics").text, MODEL)
 
     def idle_metrics(self) -> dict[str, float]:
         """Metrics once nothing runs or waits (aborts land within a step)."""
         deadline = time.monotonic() + 10
         while True:
             m = self.metrics()
-            if (m["kern_running"] == 0 and m["kern_waiting"] == 0) or time.monotonic() > deadline:
+            if (
+                m["kern_num_requests_running"] == 0 and m["kern_num_requests_waiting"] == 0
+            ) or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
 
@@ -303,11 +323,11 @@ def test_kern_bench_against_the_server(server):
     )
     assert out.returncode == 0, out.stderr
     table, js = out.stdout.strip().rsplit("\n", 1)
-    assert "| conc | req/s | out tok/s |" in table and "server/runner" in table
+    assert "| conc | ok | failed | req/s | out tok/s |" in table and "server/runner" in table
     rows = json.loads(js)
     assert [r["concurrency"] for r in rows] == [1, 3]
     for r in rows:
-        assert r["requests"] == 3 and r["output_tok_s"] > 0
+        assert r["requests"] == r["completed"] == 3 and r["output_tok_s"] > 0
         assert r["runner_tok_s"] > 0 and r["sched_tok_s"] > 0 and r["ratio"] > 0
     # The second and third requests of a level share the first's 16-token prefix (a page).
     assert rows[0]["cached_ratio"] > 0
@@ -439,14 +459,14 @@ def test_hang_up_while_queued_frees(small, ckpt):
     body["return_token_ids"] = True
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         running = [pool.submit(small.complete, p, 60, ignore_eos=True) for p in prompts[:3]]
-        _wait_for(lambda m: m["kern_waiting"] >= 2, small)
+        _wait_for(lambda m: m["kern_num_requests_waiting"] >= 2, small)
         with small.http.stream(
             "POST", "/v1/completions", json={**body, "prompt": prompts[3], "stream": True}
         ) as r:
             assert r.status_code == 200
             # First come, first served: with another still waiting, this one (queued after
             # it, or about to be) has not run when its client goes.
-            assert small.metrics()["kern_waiting"] >= 2
+            assert small.metrics()["kern_num_requests_waiting"] >= 2
         outs = [f.result() for f in running]
     m = small.idle_metrics()
     assert m["kern_aborted_total"] == before["kern_aborted_total"] + 1

@@ -23,12 +23,24 @@ Design notes
   string is held back until it cannot.
 * A crash of the scheduler thread ends every open request with ``abort``, prints the error and
   exits the process with code 101 (after a moment, so those ends reach the clients).
+* Loading is :meth:`App.start`: ``kern serve`` calls it before it serves (so a user's mistake
+  is one line and exit 2, and the start-up line can describe what loaded); under plain
+  hypercorn the lifespan startup calls it.
+* Shutdown is :meth:`App.drain`, on the event loop: no new request is admitted (503), every
+  open stream gets a final ``abort`` chunk and ``[DONE]``, and every request still waiting
+  for a whole answer gets a 503 in the error shape. ``kern serve`` drains on SIGTERM/SIGINT
+  before hypercorn closes the connections; the lifespan shutdown drains as well.
+* Every HTTP request carries an id, ``X-Request-Id`` from the client or made here, echoed in
+  the response and in the one log line a generation request ends with (kern.logs). A stats
+  line is logged every ``stats_interval`` seconds while there is work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
+import logging
 import os
 import sys
 import threading
@@ -37,26 +49,34 @@ import traceback
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from kern import api
+from kern import __version__, api, logs
 from kern.api import ApiError
+from kern.logs import RequestRecord, StatsLine, request_id
 from kern.sampler import SamplingParams
 from kern.scheduler import Event, LimitError, Request, Scheduler, start_scheduler
 
-__all__ = ["App", "app"]
+__all__ = ["App", "Settings", "app"]
+
+log = logging.getLogger("kern")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_STATS_INTERVAL = 10.0
 CRASH_EXIT_CODE = 101
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _DONE = b"data: [DONE]\n\n"
 _HANGUP = object()  # queued for a handler whose client disconnected
+_SHUTDOWN = object()  # queued for every open handler when the server drains
+# The current HTTP request's log record (each ASGI request runs in its own task and context).
+_RECORD: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
+    "kern_request", default=None
+)
 
 
 class _Disconnected(Exception):
@@ -106,13 +126,75 @@ class _Choice:
         return min((i for s in self.stops if (i := buf.find(s)) >= 0), default=-1)
 
 
-class App:
-    """The ASGI application. Loads the model at lifespan startup, through ``load_engine``
-    (``kern.engine.Engine.load`` unless given: the crash test passes one whose runner fails)."""
+@dataclass
+class Settings:
+    """How to serve: ``kern serve`` passes its flags; under ``hypercorn kern.app:app`` they come
+    from the environment (:meth:`from_env`)."""
 
-    def __init__(self, load_engine: Callable[[Any], Any] | None = None) -> None:
+    # A checked kern.toml_config.Target (kern.targets); None: resolved from the environment.
+    target: Any = None
+    api_key: str | None = None
+    max_body: int = DEFAULT_MAX_BODY_BYTES
+    log_prompts: bool = False
+    # Seconds between stats lines while there is work; 0: none.
+    stats_interval: float = DEFAULT_STATS_INTERVAL
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        """``KERN_CONFIG`` + ``KERN_TARGET`` (a kern.toml target) or ``KERN_MODEL`` (a
+        checkpoint folder), ``KERN_API_KEY``, ``KERN_MAX_BODY_BYTES``, ``KERN_LOG_LEVEL``,
+        ``KERN_LOG_PROMPTS``, ``KERN_STATS_INTERVAL``. Raises ``UsageError`` naming the
+        variable."""
+        from pathlib import Path
+
+        from kern.errors import UsageError
+        from kern.targets import check_target, resolve_target
+
+        env = os.environ
+        config, name, model = env.get("KERN_CONFIG"), env.get("KERN_TARGET"), env.get("KERN_MODEL")
+        if config and not name:
+            raise UsageError("KERN_CONFIG needs KERN_TARGET")
+        if name and not config:
+            raise UsageError("KERN_TARGET needs KERN_CONFIG")
+        target, _ = resolve_target(
+            config=Path(config) if config else None,
+            target=name or None,
+            model=Path(model) if model else None,
+            overrides={},
+        )
+        check_target(target, serving=True)
+        out = cls(target=target, api_key=env.get("KERN_API_KEY") or None)
+        for var, attr, kind in (
+            ("KERN_MAX_BODY_BYTES", "max_body", int),
+            ("KERN_STATS_INTERVAL", "stats_interval", float),
+        ):
+            if var in env:
+                try:
+                    setattr(out, attr, kind(env[var]))
+                except ValueError:
+                    raise UsageError(f"{var}={env[var]!r} is not a number") from None
+        out.log_prompts = env.get("KERN_LOG_PROMPTS", "") not in ("", "0")
+        level = env.get("KERN_LOG_LEVEL", "info").lower()
+        if level not in logs.LEVELS:
+            raise UsageError(f"KERN_LOG_LEVEL={level!r} is not one of {', '.join(logs.LEVELS)}")
+        if not log.handlers:
+            logs.configure(level)
+        return out
+
+
+class App:
+    """The ASGI application. Loads the model in :meth:`start` (at lifespan startup unless
+    called before), through ``load_engine`` (``kern.engine.Engine.load`` unless given: the
+    crash test passes one whose runner fails)."""
+
+    def __init__(
+        self, load_engine: Callable[[Any], Any] | None = None, settings: Settings | None = None
+    ) -> None:
         self.load_engine = load_engine
+        self.settings = settings
+        self.engine: Any = None
         self.scheduler: Scheduler | None = None
+        self.metrics: Any = None
         self.tokenizer: Any = None
         self.model_name = "kern"
         self.vocab_size = 0
@@ -121,6 +203,9 @@ class App:
         self.api_key: bytes | None = None
         self.max_body = DEFAULT_MAX_BODY_BYTES
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+        self._runs: set[_Run] = set()
+        self._stats_task: asyncio.Task | None = None
         self._routes: dict[str, tuple[str, Callable[..., Awaitable[None]]]] = {
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
@@ -129,6 +214,7 @@ class App:
             "/detokenize": ("POST", self._detokenize),
             "/health": ("GET", self._health),
             "/metrics": ("GET", self._metrics),
+            "/version": ("GET", self._version),
             "/openapi.json": ("GET", self._openapi),
         }
 
@@ -144,46 +230,67 @@ class App:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                try:
-                    self.loop = asyncio.get_running_loop()
-                    # Built on the scheduler's own thread: every torch op runs there.
-                    self.scheduler = await asyncio.to_thread(start_scheduler, self._load)
-                except Exception as e:
-                    traceback.print_exc()
-                    await send({"type": "lifespan.startup.failed", "message": str(e)})
-                    return
+                self.loop = asyncio.get_running_loop()
+                if self.scheduler is None:
+                    try:
+                        await asyncio.to_thread(self.start)
+                    except Exception as e:
+                        from kern.config import CheckpointError
+                        from kern.errors import UsageError
+                        from kern.toml_config import TomlConfigError
+
+                        if isinstance(e, UsageError | CheckpointError | TomlConfigError):
+                            log.error("%s", e)  # a user's mistake: one line
+                        else:
+                            traceback.print_exc()
+                        await send({"type": "lifespan.startup.failed", "message": str(e)})
+                        return
+                if self.settings is not None and self.settings.stats_interval > 0:
+                    stats = StatsLine(self.metrics, self.settings.stats_interval)
+                    self._stats_task = self.loop.create_task(stats.run())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                self.drain()
+                if self._stats_task is not None:
+                    self._stats_task.cancel()
                 if self.scheduler is not None:
                     await asyncio.to_thread(self.scheduler.stop)
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    def _load(self) -> Scheduler:
-        from kern.tiny import default_model_path
-        from kern.toml_config import Target, load_toml_config
-
-        config, name = os.environ.get("KERN_CONFIG"), os.environ.get("KERN_TARGET")
-        if config:
-            if not name:
-                raise ValueError("KERN_CONFIG needs KERN_TARGET")
-            target = load_toml_config(config).target(name)
-        else:
-            if name:
-                raise ValueError("KERN_TARGET needs KERN_CONFIG")
-            path = default_model_path()
-            target = Target(name=Path(path).name, checkpoint=Path(path).resolve())
-        key = os.environ.get("KERN_API_KEY")
+    def start(self) -> Any:
+        """Load the model and start the scheduler (blocking; call it off the event loop).
+        Returns the engine. Raises ``UsageError`` / ``CheckpointError`` for a user's mistake."""
+        if self.settings is None:
+            self.settings = Settings.from_env()
+        key = self.settings.api_key
         self.api_key = key.encode() if key else None
-        self.max_body = int(os.environ.get("KERN_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES))
-        from kern.engine import Engine
+        self.max_body = self.settings.max_body
+        # Built on the scheduler's own thread: every torch op runs there.
+        self.scheduler = start_scheduler(self._load)
+        return self.engine
 
+    def _load(self) -> Scheduler:
+        from kern.engine import Engine
+        from kern.metrics import Metrics
+
+        assert self.settings is not None and self.settings.target is not None
+        target = self.settings.target
         engine = (self.load_engine or Engine.load)(target)
+        self.engine = engine
         self.model_name = target.name
         self.tokenizer = engine.checkpoint.tokenizer
         self.vocab_size = engine.checkpoint.config.vocab_size
         self.max_model_len = engine.checkpoint.config.max_position_embeddings
-        return engine.scheduler(self._deliver, on_crash=self._crashed)
+        self.metrics = Metrics(self.model_name, self.max_model_len)
+        return engine.scheduler(self._deliver, metrics=self.metrics, on_crash=self._crashed)
+
+    def drain(self) -> None:
+        """Stop admitting and end every open generation (see the design notes). On the event
+        loop's thread; idempotent."""
+        self.draining = True
+        for run in list(self._runs):
+            run.shut_down()
 
     def _deliver(self, events: list[tuple[Request, Event]]) -> None:
         """From the scheduler thread, once per step."""
@@ -204,6 +311,16 @@ class App:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
+        record = RequestRecord(request_id(scope["headers"]), scope["method"], path)
+        _RECORD.set(record)
+        header = (b"x-request-id", record.id.encode())
+
+        async def send_tagged(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
         route = self._routes.get(path)
         try:
             if route is None:
@@ -215,15 +332,21 @@ class App:
                 self._authorize(scope)
             if self.scheduler is None:
                 raise ApiError(503, "the model is loading", type="server_error")
-            await handler(scope, receive, send)
+            if self.draining and path != "/metrics":
+                raise ApiError(503, "the server is shutting down", type="server_error")
+            await handler(scope, receive, send_tagged)
         except ApiError as e:
-            await _respond(send, e.status, api.error_body(e))
+            record.error = e.message
+            await _respond(send_tagged, e.status, api.error_body(e))
         except _Disconnected:
-            pass
+            record.error = "the client disconnected"
         except Exception as e:
             traceback.print_exc()
             err = ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
-            await _respond(send, 500, api.error_body(err))
+            record.error = err.message
+            await _respond(send_tagged, 500, api.error_body(err))
+        finally:
+            record.log()
 
     def _authorize(self, scope: Scope) -> None:
         assert self.api_key is not None
@@ -261,9 +384,13 @@ class App:
         await _respond(send, 200, b"ok\n", [(b"content-type", b"text/plain")])
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        assert self.scheduler is not None
-        text = self.scheduler.metrics.render().encode()
-        await _respond(send, 200, text, [(b"content-type", b"text/plain; version=0.0.4")])
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        text = generate_latest(self.metrics.registry)
+        await _respond(send, 200, text, [(b"content-type", CONTENT_TYPE_LATEST.encode())])
+
+    async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _respond(send, 200, api.encode({"version": __version__}))
 
     async def _openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _respond(send, 200, api.encode(api.openapi()))
@@ -389,6 +516,7 @@ class App:
                     num_logprobs=num_logprobs,
                     sink=queue,
                     index=i,
+                    counts_prompt=i == 0,
                 )
             )
             choices.append(
@@ -399,16 +527,23 @@ class App:
                     max((len(s) for s in stops), default=1) - 1,
                 )
             )
+        run = _Run(self, body, chat, prompt_ids, reqs, choices, queue)
+        record = _RECORD.get()
+        if record is not None:
+            record.run = run
+            if self.settings is not None and self.settings.log_prompts:
+                record.prompt = self.tokenizer.decode(prompt_ids)
         for r in reqs:
             sched.submit(r)
+        self._runs.add(run)
         watcher = asyncio.create_task(_watch(receive, reqs, queue, sched))
         try:
-            run = _Run(self, body, chat, prompt_ids, reqs, choices, queue)
             if body.stream:
                 await run.stream(send)
             else:
                 await run.collect(send)
         finally:
+            self._runs.discard(run)
             watcher.cancel()
             for r in reqs:
                 if r.finish_reason is None:
@@ -428,6 +563,12 @@ class _Run:
         self.queue: asyncio.Queue[Any] = queue
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.shut = False
+
+    def shut_down(self) -> None:
+        """End this run now (the server drains): see :meth:`App.drain`."""
+        self.shut = True
+        self.queue.put_nowait(_SHUTDOWN)
 
     async def events(self):
         """Batches of (choice, text, finish) until every choice has its final event."""
@@ -440,6 +581,14 @@ class _Run:
             for item in items:
                 if item is _HANGUP:
                     raise _Disconnected
+                if item is _SHUTDOWN:
+                    for ch in self.choices:
+                        if not ch.done and ch.finish is None:
+                            ch.finish = "abort"
+                            out.append((ch, ch.flush(), "abort"))
+                        ch.done = True
+                    left = 0
+                    break
                 req, (tok, lp, reason) = item
                 ch = self.choices[req.index]
                 if ch.done:
@@ -450,7 +599,7 @@ class _Run:
                         ch.logprobs.append((tok, lp[0], lp[1]))
                     if stopped:
                         ch.finish = "stop"
-                        self.app.scheduler.abort(req)  # type: ignore[union-attr]
+                        self.app.scheduler.abort(req, "stop")  # type: ignore[union-attr]
                         out.append((ch, text, "stop"))
                     elif text:
                         out.append((ch, text, None))
@@ -477,6 +626,8 @@ class _Run:
         async for batch in self.events():
             for ch, text, _ in batch:
                 ch.text.append(text)
+        if self.shut:
+            raise ApiError(503, "the server is shutting down", type="server_error")
         if self.chat:
             chat_choices = [
                 api.ChatChoice(

@@ -19,18 +19,17 @@ Design notes
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kern.config import FAMILIES, CheckpointError
 from kern.errors import UsageError
-from kern.toml_config import DEFAULT_THREADS, Target, TomlConfigError, load_toml_config
+from kern.toml_config import DEFAULT_THREADS, Target, TomlConfigError
 
 __all__ = ["main", "probe_ulps", "read_probe"]
 
@@ -48,10 +47,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``kern serve: error: argument --port: ...``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kern", description="kern: an LLM inference server (see docs/cli.md)"
-    )
+    from kern import __version__
+
+    parser = _Parser(prog="kern", description="kern: an LLM inference server (see docs/cli.md)")
+    parser.add_argument("--version", action="version", version=f"kern {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_make_tiny(sub)
     _add_run(sub)
@@ -169,45 +176,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve_target(args: argparse.Namespace) -> tuple[Target, str | None]:
-    """The target to run and its name: --config/--target, --model, or the embedded model."""
-    if args.config is not None:
-        if args.target is None:
-            raise UsageError("--config needs --target NAME")
-        try:
-            config = load_toml_config(args.config)
-        except FileNotFoundError:
-            raise UsageError(f"{args.config}: no such file") from None
-        target = config.target(args.target)
-        name: str | None = args.target
-    else:
-        if args.target is not None:
-            raise UsageError("--target needs --config FILE")
-        if args.model is not None:
-            checkpoint = args.model
-        else:
-            from kern.tiny import default_model_path
+    """The target to run and its name: --config/--target, --model, or the embedded model,
+    checked as every command checks one (kern.targets)."""
+    from kern.targets import check_target, resolve_target
 
-            checkpoint = default_model_path()
-        target = Target(name=Path(checkpoint).name, checkpoint=Path(checkpoint).resolve())
-        name = None
-    if args.threads is not None:
-        target = dataclasses.replace(target, threads=args.threads)
-    # Each backend computes in one dtype (kern.backend): anything else would be converted
-    # back, and the output would claim a dtype it did not use.
-    backend_dtype = "float32" if target.device == "cpu" else "bfloat16"
-    if target.dtype != backend_dtype:
-        raise UsageError(
-            f"target {name or target.name!r} is {target.device}/{target.dtype}: the "
-            f"{target.device} backend runs {backend_dtype}"
-        )
-    if target.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError(
-                f"target {name or target.name!r} runs on {target.device}, but torch sees no "
-                "CUDA device here"
-            )
+    target, name = resolve_target(
+        config=args.config,
+        target=args.target,
+        model=args.model,
+        overrides={"threads": args.threads},
+    )
+    check_target(target, serving=False)
     return target, name
 
 

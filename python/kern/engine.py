@@ -13,6 +13,9 @@ Design notes
   model is loaded where it will be used (see ``kern.scheduler.start_scheduler``).
 * ``ops`` is the backend; a caller may pass its own (the reference path, or a failing one in
   the crash test) instead of threading flags through the layers.
+* The cache's books are built before the weights are read when the budgets are known (a
+  budget too small for one page is then an error at once, naming its key or flag); the CUDA
+  default budget depends on the memory free after loading, so that one waits for the weights.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import torch
 from kern.arena import Geometry
 from kern.backend import Ops, make_ops
 from kern.checkpoint import Checkpoint, load_checkpoint
+from kern.config import load_config
+from kern.errors import UsageError
 from kern.layout import Layout
 from kern.metrics import Metrics
-from kern.pool import Cache
+from kern.pool import BudgetTooSmall, Cache
 from kern.runner import Runner
 from kern.scheduler import Event, Request, Scheduler
 from kern.toml_config import Target
@@ -59,15 +64,11 @@ class Engine:
         budgets and build the runner over them (on ``ops``, default: the target's device)."""
         torch.set_num_threads(target.threads)
         ops = ops or make_ops(target.device)
+        layout = Layout.of(load_config(target.checkpoint), ops.dtype, target.page_tokens)
+        cache = None if target.pool_bytes is None else _cache(target, layout, target.pool_bytes)
         ckpt = load_checkpoint(target.checkpoint, device=ops.device, dtype=ops.dtype)
-        layout = Layout.of(ckpt.config, ops.dtype, target.page_tokens)
-        cache = Cache(
-            page_tokens=target.page_tokens,
-            page_bytes=layout.page_bytes,
-            device_bytes=target.pool_bytes or default_pool_bytes(ops.device),
-            state_bytes=layout.state_bytes,
-            host_bytes=target.host_bytes,
-        )
+        if cache is None:
+            cache = _cache(target, layout, default_pool_bytes(ops.device))
         host = cache.host
         runner = Runner(
             ckpt,
@@ -104,6 +105,29 @@ class Engine:
         """Bytes of the device arena and of the host arena (0 without a host tier)."""
         host = self.runner.host
         return self.runner.arena.nbytes, 0 if host is None else host.nbytes
+
+
+def _cache(target: Target, layout: Layout, device_bytes: int) -> Cache:
+    """The cache's books for ``target``; a budget too small for one page (or the two state
+    slots of a stateful model) is a :class:`UsageError` naming its key or flag."""
+    kwargs: dict[str, Any] = dict(
+        page_tokens=target.page_tokens,
+        page_bytes=layout.page_bytes,
+        device_bytes=device_bytes,
+        state_bytes=layout.state_bytes,
+        host_bytes=target.host_bytes,
+    )
+    try:
+        return Cache(**kwargs)
+    except BudgetTooSmall as e:
+        key, value = "pool_bytes", device_bytes
+        if target.host_bytes:
+            try:
+                Cache(**{**kwargs, "host_bytes": 0})
+                key, value = "host_bytes", target.host_bytes
+            except BudgetTooSmall:
+                pass
+        raise UsageError(f"{target.where(key)}: {key} = {value}: {e}") from None
 
 
 def default_pool_bytes(device: torch.device) -> int:

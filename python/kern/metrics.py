@@ -1,101 +1,254 @@
-"""Server metrics in the Prometheus text format.
+"""Server metrics through ``prometheus_client``: one registry per app, every series labelled
+with ``model_name``, names a vLLM dashboard maps onto (``vllm:X`` is ``kern_X``; the table is
+in docs/serve.md), plus kern's own cache counters and pool gauges.
 
 Design notes
 ------------
-* Plain ints and lists, written by the scheduler thread only and read by ``/metrics``: a torn
-  read of one counter is impossible under the GIL, and a scrape that sees step N's running
-  count beside step N+1's hit count is fine for monitoring. No lock on the hot path.
-* Cache counters are counted from what ``make_room`` and ``wake`` return (``Evicted.Parked`` and
-  ``dropped``, ``Evicted.Dropped(parked)``), as the pool's contract asks, never inferred.
-* Pool gauges are a copy of ``Cache.stats()`` the scheduler takes after every step (the cache
-  is not shared across threads: PyO3 refuses a second borrow), so they are exact after the last
-  request ends: ``kern_pool_pages_held`` (pages requests hold, neither free nor
-  cached) is back at 0 then, and ``kern_pool_pages_free + kern_pool_pages_cached`` at the total
-  (on a stateful model, less the chunks the slots took for the cache's state snapshots,
-  ``kern_pool_slots_cached``).
+* Counters and histograms are ``prometheus_client`` children bound to the model's label once,
+  and written by the scheduler thread only (each keeps its own small lock, never contended
+  but by a scrape). Per token the scheduler observes one inter-token gap or one TTFT; the
+  generated-token counter moves once per step.
+* Gauges are a snapshot: the scheduler replaces :attr:`Metrics.gauges` whole after every step
+  (one attribute store, no lock) and a collector reads it at scrape time, so the pool gauges
+  of one scrape come from one step. ``Cache`` itself is never read off the scheduler thread
+  (PyO3 refuses a second borrow).
+* Cache counters are counted from what ``make_room`` and ``wake`` return (``Evicted.Parked``
+  and ``dropped``, ``Evicted.Dropped(parked)``, ``Woken.keys``), as the pool's contract asks.
+* Pool gauges add up: once idle, ``kern_pool_pages_held`` is 0 and ``free + cached`` is the
+  total (less the chunks state snapshots took, on a stateful model); slots likewise:
+  ``free + held + cached == total``, where total is the slots the slot class has now (it grows
+  from free chunks on demand).
+* A request of ``n`` choices is ``n`` sequences: its prompt counts once
+  (``Request.counts_prompt``); every sequence counts in the request histograms and in
+  ``request_success`` by its own finish reason. ``abort`` is a client that hung up, a shutdown,
+  or a request the scheduler could not admit; a stop string is ``stop``.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
+from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["Histogram", "Metrics"]
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-# Seconds. TTFT spans queueing and prefill; TPOT one decode step of a batch.
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+__all__ = ["FINISH_REASONS", "Metrics"]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Seconds. vLLM's buckets, with finer ones below 10 ms where a CPU model's steps land.
+_TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+# Gauge name -> help. The scheduler's snapshot holds exactly these keys.
+GAUGES = {
+    "kern_num_requests_running": "Requests running (in the batch): vllm:num_requests_running.",
+    "kern_num_requests_waiting": "Requests queued for admission: vllm:num_requests_waiting.",
+    "kern_kv_cache_usage_perc": "Fraction (0 to 1) of the device KV pages held by requests: "
+    "vllm:kv_cache_usage_perc.",
+    "kern_pool_pages_total": "Device KV pages the pool can give to requests.",
+    "kern_pool_pages_free": "Device KV pages allocatable now without evicting.",
+    "kern_pool_pages_cached": "Device KV pages the prefix cache holds.",
+    "kern_pool_pages_held": "Device KV pages running requests hold (0 when idle).",
+    "kern_pool_slots_total": "State slots (qwen3_5) the slot class has now.",
+    "kern_pool_slots_free": "State slots of the slot class that nothing uses.",
+    "kern_pool_slots_held": "State slots running requests hold (0 when idle).",
+    "kern_pool_slots_cached": "State snapshots the prefix cache holds.",
+    "kern_host_pages_free": "Host-tier pages free.",
+    "kern_host_pages_parked": "Host-tier pages holding parked cache entries.",
+    "kern_cache_nodes": "Nodes of the prefix tree.",
+    "kern_device_arena_bytes": "Bytes of the device arena (KV pages and state slots).",
+    "kern_host_arena_bytes": "Bytes of the host arena (0 without a host tier).",
+}
 
 
-class Histogram:
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self, name: str, help_: str) -> list[str]:
-        lines = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
-        running = 0
-        for bound, n in zip(self.buckets, self.counts, strict=False):
-            running += n
-            lines.append(f'{name}_bucket{{le="{bound}"}} {running}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.total}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (vLLM's length buckets)."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > max_model_len:
+                return out
+            out.append(value)
+        exponent += 1
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.num_prompt_tokens = 0
-        self.num_hit_tokens = 0
-        self.num_generated = 0
-        self.num_parked = 0
-        self.num_dropped_resident = 0
-        self.num_dropped_parked = 0
-        self.num_woken = 0
-        self.num_aborted = 0
-        self.num_preempted = 0
-        self.num_running = 0
-        self.num_waiting = 0
-        self.ttft = Histogram(_TTFT_BUCKETS)
-        self.tpot = Histogram(_TPOT_BUCKETS)
-        # Pool gauges, name -> value, replaced whole by the scheduler after each step.
-        self.pool: dict[str, int] = {}
+    """The app's metrics and their registry (``registry``: what ``/metrics`` renders)."""
 
-    def render(self) -> str:
-        counters = [
-            ("kern_prompt_tokens_total", self.num_prompt_tokens, "prompt tokens admitted"),
-            ("kern_prefix_hit_tokens_total", self.num_hit_tokens, "prompt tokens from the cache"),
-            ("kern_generation_tokens_total", self.num_generated, "tokens generated"),
-            ("kern_parked_total", self.num_parked, "cache entries parked to host memory"),
-            (
-                "kern_dropped_resident_total",
-                self.num_dropped_resident,
-                "cache entries dropped from the device",
-            ),
-            (
-                "kern_dropped_parked_total",
-                self.num_dropped_parked,
-                "cache entries dropped from host memory",
-            ),
-            ("kern_woken_total", self.num_woken, "cache entries woken from host memory"),
-            ("kern_aborted_total", self.num_aborted, "requests aborted (hang-ups included)"),
-            ("kern_preempted_total", self.num_preempted, "running requests preempted"),
-        ]
-        lines: list[str] = []
-        for name, value, help_ in counters:
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
-        gauges = {"kern_running": self.num_running, "kern_waiting": self.num_waiting}
-        gauges.update(self.pool)
-        for name, value in gauges.items():
-            lines += [f"# TYPE {name} gauge", f"{name} {value}"]
-        lines += self.ttft.render("kern_time_to_first_token_seconds", "time to first token")
-        lines += self.tpot.render("kern_time_per_output_token_seconds", "time per output token")
-        return "\n".join(lines) + "\n"
+    def __init__(self, model_name: str = "kern", max_model_len: int = 32768) -> None:
+        # The _created series double every counter's lines and no dashboard reads them.
+        disable_created_metrics()
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        reg = self.registry
+
+        def counter(name: str, help_: str) -> Any:
+            return Counter(name, help_, ["model_name"], registry=reg).labels(model_name)
+
+        def histogram(name: str, help_: str, buckets) -> Any:
+            return Histogram(name, help_, ["model_name"], buckets=buckets, registry=reg).labels(
+                model_name
+            )
+
+        self.prompt_tokens = counter(
+            "kern_prompt_tokens", "Prompt tokens admitted, once per request: vllm:prompt_tokens."
+        )
+        self.generation_tokens = counter(
+            "kern_generation_tokens", "Tokens generated: vllm:generation_tokens."
+        )
+        self.prefix_queries = counter(
+            "kern_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache: vllm:prefix_cache_queries.",
+        )
+        self.prefix_hits = counter(
+            "kern_prefix_cache_hits",
+            "Prompt tokens the prefix cache supplied: vllm:prefix_cache_hits.",
+        )
+        self.preemptions = counter(
+            "kern_num_preemptions", "Running requests preempted: vllm:num_preemptions."
+        )
+        self.aborted = counter(
+            "kern_aborted",
+            "Requests ended by an abort (client hang-up, shutdown, not admissible).",
+        )
+        self.parked = counter("kern_parked", "Cache entries parked to host memory.")
+        self.woken = counter("kern_woken", "Cache entries woken from host memory.")
+        self.dropped_resident = counter(
+            "kern_dropped_resident", "Cache entries dropped from the device."
+        )
+        self.dropped_parked = counter(
+            "kern_dropped_parked", "Cache entries dropped from host memory."
+        )
+        success = Counter(
+            "kern_request_success",
+            "Requests finished, by finish reason: vllm:request_success.",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self.ttft = histogram(
+            "kern_time_to_first_token_seconds",
+            "Time to first token, from submit: vllm:time_to_first_token_seconds.",
+            _TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "kern_inter_token_latency_seconds",
+            "Time between two tokens of a request, per token: vllm:inter_token_latency_seconds.",
+            _ITL_BUCKETS,
+        )
+        self.tpot = histogram(
+            "kern_request_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request: "
+            "vllm:request_time_per_output_token_seconds.",
+            _ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "kern_e2e_request_latency_seconds",
+            "Submit to finish, per request: vllm:e2e_request_latency_seconds.",
+            _REQUEST_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "kern_request_queue_time_seconds",
+            "Submit to first admission: vllm:request_queue_time_seconds.",
+            _REQUEST_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "kern_request_prefill_time_seconds",
+            "First admission to first token: vllm:request_prefill_time_seconds.",
+            _REQUEST_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "kern_request_decode_time_seconds",
+            "First token to finish: vllm:request_decode_time_seconds.",
+            _REQUEST_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "kern_request_inference_time_seconds",
+            "First admission to finish: vllm:request_inference_time_seconds.",
+            _REQUEST_BUCKETS,
+        )
+        lengths = _token_buckets(max_model_len)
+        self.prompt_len = histogram(
+            "kern_request_prompt_tokens",
+            "Prompt length of finished requests: vllm:request_prompt_tokens.",
+            lengths,
+        )
+        self.generation_len = histogram(
+            "kern_request_generation_tokens",
+            "Tokens generated per finished request: vllm:request_generation_tokens.",
+            lengths,
+        )
+        self.gauges: dict[str, float] = dict.fromkeys(GAUGES, 0)
+        reg.register(_Snapshot(self))
+        reg.register(_Labelled(ProcessCollector(registry=None), model_name))
+
+    def finished(self, req: Any, reason: str, now: float) -> None:
+        """Record a request's end (scheduler thread): ``req`` is a ``kern.scheduler.Request``."""
+        self.success[reason].inc()
+        if reason == "abort":
+            self.aborted.inc()
+        self.e2e.observe(now - req.t_submit)
+        if req.t_admit:
+            self.inference_time.observe(now - req.t_admit)
+        if req.num_output:
+            self.decode_time.observe(now - req.t_first)
+        if req.num_output > 1:
+            self.tpot.observe((now - req.t_first) / (req.num_output - 1))
+        if req.counts_prompt:
+            self.prompt_len.observe(len(req.prompt_ids))
+        self.generation_len.observe(req.num_output)
+
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's value (0 if absent), e.g. ``value("kern_aborted_total")``."""
+        got = self.registry.get_sample_value(name, {"model_name": self.model_name, **labels})
+        return 0.0 if got is None else got
+
+
+class _Snapshot(Collector):
+    """The gauges, read from the scheduler's last snapshot at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self.metrics.gauges  # replaced whole by the scheduler: one consistent step
+        for name, help_ in GAUGES.items():
+            family = GaugeMetricFamily(name, help_, labels=["model_name"])
+            family.add_metric([self.metrics.model_name], snapshot[name])
+            yield family
+
+
+class _Labelled(Collector):
+    """Another collector's metrics with a ``model_name`` label added to every sample."""
+
+    def __init__(self, inner: Collector, model_name: str) -> None:
+        self.inner = inner
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            for s in family.samples:
+                labels = {**s.labels, "model_name": self.model_name}
+                out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+            yield out

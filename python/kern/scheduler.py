@@ -44,12 +44,14 @@ Design notes
   :meth:`Scheduler.step` runs one step on the calling thread (the tests drive it that way).
 * If the loop raises, every open request is finished with ``abort`` and ``on_crash`` runs (the
   server prints the error and exits with code 101).
+* Metrics are recorded here, on this thread, as things happen (kern.metrics): cheap calls on
+  pre-labelled ``prometheus_client`` children, and one gauge snapshot per step.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
-import sys
 import threading
 import time
 import traceback
@@ -68,6 +70,8 @@ from kern.sampler import LogprobEntry, SamplingParams, logprobs, sample
 
 __all__ = ["Event", "LimitError", "Request", "Scheduler", "start_scheduler"]
 
+log = logging.getLogger("kern")
+
 # An event for one request: (token id or None, logprob entry or None, finish reason or None).
 Event = tuple[int | None, LogprobEntry | None, str | None]
 
@@ -83,7 +87,7 @@ class LimitError(ValueError):
 @dataclass(eq=False, slots=True)
 class Request:
     """One sequence to generate. The app builds it; after ``submit`` only the scheduler
-    thread mutates it, except ``aborted`` (set by ``Scheduler.abort``)."""
+    thread mutates it, except ``aborted`` and ``end_reason`` (set by ``Scheduler.abort``)."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -91,6 +95,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     num_logprobs: int | None = None
+    # False for the 2nd..nth sequence of a request of n choices: its prompt counts once.
+    counts_prompt: bool = True
     # Opaque to the scheduler: where the app routes this request's events.
     sink: Any = None
     index: int = 0
@@ -103,9 +109,14 @@ class Request:
     cached_tokens: int | None = None
     finish_reason: str | None = None
     aborted: bool = False
+    # The finish reason an abort ends it with: "stop" when the app matched a stop string.
+    end_reason: str = "abort"
     order: int = 0
+    # perf_counter() seconds: submitted, first admitted, first and latest token (0: not yet).
     t_submit: float = 0.0
+    t_admit: float = 0.0
     t_first: float = 0.0
+    t_last: float = 0.0
 
 
 class Scheduler:
@@ -142,10 +153,7 @@ class Scheduler:
         self.max_pages = cache.pages_free
         host = cache.host
         # The arenas' sizes: the runner allocates exactly what the pool's geometry says.
-        self._arena_gauges = {
-            "kern_device_arena_bytes": cache.device.arena_bytes,
-            "kern_host_arena_bytes": 0 if host is None else host.arena_bytes,
-        }
+        self._arena_bytes = (cache.device.arena_bytes, 0 if host is None else host.arena_bytes)
         self._cv = threading.Condition()
         self._inbox: list[Request] = []
         self._poked = False  # a submit or an abort since the loop last looked
@@ -215,8 +223,10 @@ class Scheduler:
             self._poked = True
             self._cv.notify()
 
-    def abort(self, req: Request) -> None:
-        """Ask for ``req`` to end with ``abort`` at the next step (a no-op once finished)."""
+    def abort(self, req: Request, reason: str = "abort") -> None:
+        """Ask for ``req`` to end at the next step (a no-op once finished), counted with
+        ``reason``: ``abort``, or ``stop`` when the app ends it at a stop string."""
+        req.end_reason = reason
         req.aborted = True
         with self._cv:
             self._poked = True
@@ -251,24 +261,30 @@ class Scheduler:
         self._gauges()
 
     def _gauges(self) -> None:
-        m = self.metrics
-        m.num_running = len(self._running)
-        m.num_waiting = len(self._waiting)
         s = self.cache.stats()
-        m.pool = {
+        # Pages requests hold: neither free nor the tree's. 0 when nothing runs.
+        held = s.pages_used - s.resident_pages
+        device_arena, host_arena = self._arena_bytes
+        # One dict replaced whole: a scrape reads one step's values (kern.metrics).
+        self.metrics.gauges = {
+            "kern_num_requests_running": len(self._running),
+            "kern_num_requests_waiting": len(self._waiting),
+            "kern_kv_cache_usage_perc": held / self.max_pages,
             "kern_pool_pages_total": self.max_pages,
             "kern_pool_pages_free": s.pages_free,
             "kern_pool_pages_cached": s.resident_pages,
-            # Pages requests hold: neither free nor the tree's. 0 when nothing runs.
-            "kern_pool_pages_held": s.pages_used - s.resident_pages,
+            "kern_pool_pages_held": held,
+            # The slot class's own slots (Stats.slots_free also counts free chunks it could
+            # grow into, which pages may take as well): free + held + cached == total.
             "kern_pool_slots_total": s.slot_capacity,
-            "kern_pool_slots_free": s.slots_free,
+            "kern_pool_slots_free": s.slot_capacity - s.slots_used,
             "kern_pool_slots_held": s.slots_used - s.resident_states,
             "kern_pool_slots_cached": s.resident_states,
             "kern_host_pages_free": s.host_pages_free,
             "kern_host_pages_parked": s.parked_pages,
             "kern_cache_nodes": s.num_nodes,
-            **self._arena_gauges,
+            "kern_device_arena_bytes": device_arena,
+            "kern_host_arena_bytes": host_arena,
         }
 
     def _crash(self, e: BaseException) -> None:
@@ -287,21 +303,26 @@ class Scheduler:
         if any(r.aborted for r in self._waiting):
             for r in [r for r in self._waiting if r.aborted]:
                 self._waiting.remove(r)
-                self._finish(r, "abort", events)
+                self._finish(r, r.end_reason, events, snapshot=False)
         for r in [r for r in self._running if r.aborted]:
             self._running.remove(r)
-            self._finish(r, "abort", events)
+            self._finish(r, r.end_reason, events, snapshot=False)
 
-    def _finish(self, req: Request, reason: str, events: list[tuple[Request, Event]]) -> None:
+    def _finish(
+        self,
+        req: Request,
+        reason: str,
+        events: list[tuple[Request, Event]],
+        *,
+        snapshot: bool = True,
+    ) -> None:
+        """End ``req`` with ``reason``; ``snapshot=False`` for an abort, whose last state
+        need not match what the client received."""
         req.finish_reason = reason
-        self._release(req, snapshot=reason != "abort")
+        self._release(req, snapshot=snapshot)
         if req.cached_tokens is None:
             req.cached_tokens = 0
-        m = self.metrics
-        if reason == "abort":
-            m.num_aborted += 1
-        if req.num_output > 1:
-            m.tpot.observe((time.perf_counter() - req.t_first) / (req.num_output - 1))
+        self.metrics.finished(req, reason, time.perf_counter())
         events.append((req, (None, None, reason)))
 
     # --- memory ---------------------------------------------------------------------------
@@ -314,14 +335,15 @@ class Scheduler:
         for ev in self.cache.make_room(pages, slots=slots):
             match ev:
                 case Evicted.Parked(_, plan, dropped):
-                    m.num_parked += 1
-                    m.num_dropped_parked += len(dropped)
+                    m.parked.inc()
+                    if dropped:
+                        m.dropped_parked.inc(len(dropped))
                     plans.append(plan)
                 case Evicted.Dropped(_, parked):
                     if parked:
-                        m.num_dropped_parked += 1
+                        m.dropped_parked.inc()
                     else:
-                        m.num_dropped_resident += 1
+                        m.dropped_resident.inc()
         self.runner.park(plans)
 
     def _alloc_pages(self, n: int) -> list[int] | None:
@@ -354,7 +376,8 @@ class Scheduler:
                 woken = self.cache.wake(node)
             except PoolFull:
                 return False
-        self.metrics.num_woken += len(woken.keys)
+        if woken.keys:
+            self.metrics.woken.inc(len(woken.keys))
         self.runner.wake(woken.plan)
         return True
 
@@ -414,14 +437,14 @@ class Scheduler:
                 if not self._running:
                     # Nothing is locked now, so a request that passed check() fits; this is
                     # a broken invariant, and the request ends instead of blocking the queue.
-                    print(
-                        f"kern: could not admit a {len(req.tokens)}-token request with "
-                        f"nothing running ({self.cache.pages_free} pages free); ending it",
-                        file=sys.stderr,
-                        flush=True,
+                    log.error(
+                        "could not admit a %d-token request with nothing running (%d pages "
+                        "free); ending it",
+                        len(req.tokens),
+                        self.cache.pages_free,
                     )
                     self._waiting.popleft()
-                    self._finish(req, "abort", events)
+                    self._finish(req, "abort", events, snapshot=False)
                     continue
                 return
             self._waiting.popleft()
@@ -486,9 +509,16 @@ class Scheduler:
         req.slot = slot
         req.num_computed = hit
         if req.cached_tokens is None:
+            # The first admission (a preempted request resumes without counting again).
             req.cached_tokens = hit
-            self.metrics.num_prompt_tokens += len(req.prompt_ids)
-            self.metrics.num_hit_tokens += hit
+            req.t_admit = time.perf_counter()
+            m = self.metrics
+            m.queue_time.observe(req.t_admit - req.t_submit)
+            m.prefix_queries.inc(len(req.prompt_ids))
+            if hit:
+                m.prefix_hits.inc(hit)
+            if req.counts_prompt:
+                m.prompt_tokens.inc(len(req.prompt_ids))
         return True
 
     def _usable_hit(self, m: Match, cap: int) -> int:
@@ -544,16 +574,20 @@ class Scheduler:
         picked = sample(logits, [r.params for r in rows], [r.num_output for r in rows])
         now = time.perf_counter()
         m = self.metrics
+        m.generation_tokens.inc(len(rows))
         for i, (req, tok) in enumerate(zip(rows, picked, strict=True)):
             lp = None
             if req.num_logprobs is not None:
                 lp = logprobs(logits, i, tok, req.num_logprobs)
             req.tokens.append(tok)
             req.num_output += 1
-            m.num_generated += 1
             if req.num_output == 1:
                 req.t_first = now
                 m.ttft.observe(now - req.t_submit)
+                m.prefill_time.observe(now - req.t_admit)
+            else:
+                m.itl.observe(now - req.t_last)
+            req.t_last = now
             reason = None
             if tok in req.stop_ids or (tok in self.eos and not req.ignore_eos):
                 reason = "stop"
@@ -582,7 +616,7 @@ class Scheduler:
         self._running.remove(req)
         self._release(req, snapshot=True)
         self._waiting.appendleft(req)
-        self.metrics.num_preempted += 1
+        self.metrics.preemptions.inc()
 
 
 def start_scheduler(make: Callable[[], Scheduler]) -> Scheduler:

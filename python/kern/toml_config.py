@@ -15,18 +15,29 @@ threads = 2                        # torch intra-op threads (CPU results depend 
 ```
 
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
-misspelt ``page_token = 32`` silently ignored would serve with 16 and nobody would know.
+misspelt ``page_token = 32`` silently ignored would serve with 16 and nobody would know. This
+module parses; whether a command can run what a target asks (``rows`` and ``draft`` are not
+served yet, ``ranks`` is 1) is :func:`kern.targets.check_target`'s call.
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_THREADS", "KernConfig", "Target", "TomlConfigError", "load_toml_config"]
+__all__ = [
+    "DEFAULT_THREADS",
+    "KernConfig",
+    "Target",
+    "TomlConfigError",
+    "check_device",
+    "default_dtype",
+    "load_toml_config",
+    "parse_bytes",
+]
 
 # Torch intra-op threads when neither the target nor the command line names a count. Fixed
 # rather than os.cpu_count(): CPU float32 results can differ between 1 and 2 threads
@@ -84,10 +95,16 @@ class Target:
     draft: str | None = None
     ranks: int = 1
     threads: int = DEFAULT_THREADS
+    # Where each key was set, for errors: "kern.toml: targets.x.pool_bytes", "--pool-bytes".
+    origin: dict[str, str] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def widest_rows(self) -> int:
         return self.rows[-1]
+
+    def where(self, key: str) -> str:
+        """What set ``key``: a file and table, or a flag (the target's name if a default)."""
+        return self.origin.get(key, f"target {self.name!r}")
 
 
 @dataclass(frozen=True)
@@ -138,9 +155,8 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         raise TomlConfigError(f"{where}: missing key 'checkpoint'")
     checkpoint = _str(table, "checkpoint", where)
     device = _str(table, "device", where, "cpu")
-    if not _DEVICES.match(device):
-        raise TomlConfigError(f"{where}.device: {device!r} is not 'cpu', 'cuda' or 'cuda:N'")
-    dtype = _str(table, "dtype", where, "float32" if device == "cpu" else "bfloat16")
+    check_device(device, f"{where}.device")
+    dtype = _str(table, "dtype", where, default_dtype(device))
     if dtype not in _DTYPES:
         raise TomlConfigError(f"{where}.dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
     rows_value = table.get("rows", [1])
@@ -159,14 +175,25 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         checkpoint=(path.parent / checkpoint).resolve(),
         dtype=dtype,
         device=device,
-        pool_bytes=None if pool is None else _bytes(pool, f"{where}.pool_bytes", minimum=1),
-        host_bytes=_bytes(table.get("host_bytes", 0), f"{where}.host_bytes", minimum=0),
+        pool_bytes=None if pool is None else parse_bytes(pool, f"{where}.pool_bytes", minimum=1),
+        host_bytes=parse_bytes(table.get("host_bytes", 0), f"{where}.host_bytes", minimum=0),
         page_tokens=_pos_int(table, "page_tokens", where, 16),
         rows=tuple(sorted(set(rows_list))),
         draft=draft,
         ranks=_pos_int(table, "ranks", where, 1),
         threads=_pos_int(table, "threads", where, DEFAULT_THREADS),
+        origin={key: f"{where}.{key}" for key in _TARGET_KEYS},
     )
+
+
+def check_device(device: str, where: str) -> None:
+    if not _DEVICES.match(device):
+        raise TomlConfigError(f"{where}: {device!r} is not 'cpu', 'cuda' or 'cuda:N'")
+
+
+def default_dtype(device: str) -> str:
+    """The dtype a device's backend computes in (kern.backend)."""
+    return "float32" if device == "cpu" else "bfloat16"
 
 
 def _is_pos_int(value: Any) -> bool:
@@ -187,7 +214,7 @@ def _str(table: dict[str, Any], key: str, where: str, default: str | None = None
     return value
 
 
-def _bytes(value: Any, where: str, *, minimum: int) -> int:
+def parse_bytes(value: Any, where: str, *, minimum: int) -> int:
     """An integer byte count, or a string with a unit: "512MiB", "1.5GB"."""
     if isinstance(value, int) and not isinstance(value, bool):
         n = value

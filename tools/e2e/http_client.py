@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -90,11 +91,13 @@ class Client:
             conn.close()
 
     def metrics(self) -> dict[str, float]:
-        """``/metrics`` as name -> value (labels kept in the name)."""
+        """``/metrics`` as name -> value. The ``model_name`` label every kern series carries is
+        dropped (one model per server); other labels stay in the name."""
         out = {}
         for line in self.get("/metrics").splitlines():
             if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
+                name = re.sub(r'model_name="(?:[^"\\]|\\.)*",?', "", name).replace("{}", "")
                 out[name] = float(value)
         return out
 
@@ -104,7 +107,7 @@ class Client:
         deadline = time.monotonic() + limit
         while True:
             m = self.metrics()
-            if m.get("kern_running") == 0 and m.get("kern_waiting") == 0:
+            if m.get("kern_num_requests_running") == 0 and m.get("kern_num_requests_waiting") == 0:
                 return m
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the server was still busy after {limit:.0f}s: {m}")

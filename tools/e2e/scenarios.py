@@ -273,7 +273,11 @@ class TargetGate:
         def sample() -> None:
             while not stop.is_set():
                 m = self.client.metrics()
-                for k in ("kern_running", "kern_pool_slots_held", "kern_pool_slots_total"):
+                for k in (
+                    "kern_num_requests_running",
+                    "kern_pool_slots_held",
+                    "kern_pool_slots_total",
+                ):
                     peak[k] = max(peak.get(k, 0.0), m.get(k, 0.0))
                 time.sleep(0.02)
 
@@ -289,7 +293,7 @@ class TargetGate:
         for i, got in enumerate(answers):
             res.add_cached(got)
             self.check(res, f"prompt {i}", got, self.refs[i])
-        res.notes.append(f"at most {peak.get('kern_running', 0):.0f} running at once")
+        res.notes.append(f"at most {peak.get('kern_num_requests_running', 0):.0f} running at once")
 
     def streamed_round(self, res: Result) -> None:
         for i, req in enumerate(self.prompts):

@@ -3,10 +3,20 @@
 Design notes
 ------------
 * Each request is a streamed completion (greedy, ``ignore_eos``, a fixed ``max_tokens``) so
-  every request produces the same number of tokens and TTFT / TPOT are measured at the client,
-  where a user sees them: TTFT from sending to the first token, TPOT the mean gap after it.
-* Prompts are token ids drawn from a seeded generator, with a shared prefix for a share of
-  them (``--shared-prefix``), so the cached-token ratio measures the prefix cache too.
+  every request produces the same number of tokens, and the latencies are measured at the
+  client, where a user sees them, with ``vllm bench serve``'s definitions: TTFT from sending
+  to the first token; TPOT the mean gap after the first token, per request; ITL every gap
+  between two streamed events (one token each; events that arrive in one write have gaps
+  near 0, as a client sees them); E2EL sending to the last byte. Each is reported as mean,
+  median and p99 (numpy's linear percentile).
+* A request that fails (an HTTP error, a dropped connection, a stream without its usage) is a
+  failed row of the summary with its first error, never the end of the run. A server that
+  does not answer at all is one line before any load.
+* Arrivals: all at once by default, at most ``concurrency`` in flight; with
+  ``--request-rate R``, a Poisson process of R requests/s (seeded exponential gaps), still
+  capped by ``concurrency``, as ``vllm bench serve --request-rate --max-concurrency``.
+* Prompts are token ids drawn from a seeded generator, with a shared prefix for every prompt
+  (``--shared-prefix``), so the cached-token ratio measures the prefix cache too.
 * ``--baseline-model DIR`` also runs, before the load, the scheduler in this process on the
   same prompts with no HTTP (``scheduler tok/s``: prefill and scheduling included), and
   times ``Runner.forward`` decoding a batch of ``concurrency``
@@ -22,57 +32,118 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["add_parser"]
 
+# Token ids the prompts draw from: byte tokens exist in every kern tokenizer.
+_VOCAB_HI = 256
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from kern.cli import _positive_int
+
     p = sub.add_parser(
         "bench",
         help="load a running server and print a summary table",
-        description="Send --requests streamed completions at each --concurrency to --url.",
+        description="Send --requests streamed completions at each --concurrency to --url and "
+        "print TTFT, TPOT, ITL and end-to-end latency (mean, median, p99) per level.",
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    p.add_argument("--concurrency", default="1,12,64", help="comma-separated levels")
-    p.add_argument("--requests", type=int, default=64, help="requests per level")
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--shared-prefix", type=int, default=32, help="tokens every prompt shares")
+    p.add_argument(
+        "--concurrency",
+        type=_levels,
+        default=[1, 12, 64],
+        metavar="N,N,...",
+        help="requests in flight at most, one run per level (default 1,12,64)",
+    )
+    p.add_argument("--requests", type=_positive_int, default=64, help="requests per level")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=64, metavar="N")
+    p.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N")
+    p.add_argument(
+        "--shared-prefix",
+        type=_count,
+        default=32,
+        metavar="N",
+        help="tokens every prompt starts with (at most --prompt-tokens; default 32)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=float("inf"),
+        metavar="R",
+        help="Poisson arrivals at R requests/s (default: all at once)",
+    )
     p.add_argument("--api-key", help="Bearer key")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline-model", metavar="DIR", help="also time the runner's decode")
-    p.add_argument("--threads", type=int, default=2, help="baseline torch threads")
+    p.add_argument("--threads", type=_positive_int, default=2, help="baseline torch threads")
     p.add_argument("--json", action="store_true", help="print the table as JSON too")
     p.set_defaults(func=run)
 
 
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected e.g. 1,12,64") from None
+    if any(n < 1 for n in levels):
+        raise argparse.ArgumentTypeError(f"{text!r}: every level must be at least 1")
+    return levels
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the rate must be above 0")
+    return value
+
+
 @dataclass
 class _Result:
-    ttft: float
-    tpot: float | None
-    tokens: int
-    prompt_tokens: int
-    cached_tokens: int
+    ok: bool
+    error: str | None = None
+    ttft: float = 0.0
+    tpot: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2el: float = 0.0
+    tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def run(args: argparse.Namespace) -> int:
     from kern.errors import UsageError
 
-    try:
-        levels = [int(x) for x in args.concurrency.split(",")]
-    except ValueError:
-        raise UsageError(f"--concurrency {args.concurrency!r}: expected e.g. 1,12,64") from None
+    if args.shared_prefix > args.prompt_tokens:
+        raise UsageError(
+            f"--shared-prefix {args.shared_prefix} is longer than --prompt-tokens "
+            f"{args.prompt_tokens}"
+        )
+    levels = args.concurrency
+    model = _probe(args)
     prompt_sets = _prompt_sets(args, levels)
     # The baselines first, while the server is idle: measured after the load they shared the
     # CPU with whatever the server was still doing, and came out 2-6x low.
     runner, sched = {}, {}
     if args.baseline_model:
         runner, sched = _baselines(args, levels, prompt_sets)
-    rows = asyncio.run(_bench(args, levels, prompt_sets))
+    rows = asyncio.run(_bench(args, model, levels, prompt_sets))
     for row in rows:
         level = row["concurrency"]
         if level in runner:
@@ -80,46 +151,82 @@ def run(args: argparse.Namespace) -> int:
             row["sched_tok_s"] = sched[level]
             row["ratio"] = row["output_tok_s"] / runner[level]
             row["sched_ratio"] = sched[level] / runner[level]
+    for row in rows:
+        _print_block(row)
     _print_table(rows)
     if args.json:
         print(json.dumps(rows))
     return 0
 
 
+def _probe(args: argparse.Namespace) -> str:
+    """The served model's id; a server that does not answer is one line (exit 2)."""
+    import httpx
+
+    from kern.errors import UsageError
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        r = httpx.get(args.url.rstrip("/") + "/v1/models", headers=headers, timeout=10)
+    except httpx.HTTPError as e:
+        raise UsageError(f"--url {args.url}: no server answers ({e})") from None
+    if r.status_code == 401:
+        raise UsageError(f"--api-key: {args.url} answered 401 (a missing or wrong key)")
+    try:
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        raise UsageError(
+            f"--url {args.url}: GET /v1/models answered {r.status_code}, not a model list"
+        ) from None
+
+
 def _prompt_sets(args: argparse.Namespace, levels: list[int]) -> list[list[list[int]]]:
     """The prompts of each level, from the seed: a shared prefix, then random ids."""
-    vocab_hi = 256  # byte tokens exist in every kern tokenizer
     rng = random.Random(args.seed)
-    shared = [rng.randrange(vocab_hi) for _ in range(args.shared_prefix)]
+    shared = [rng.randrange(_VOCAB_HI) for _ in range(args.shared_prefix)]
     rest = args.prompt_tokens - len(shared)
     return [
-        [shared + [rng.randrange(vocab_hi) for _ in range(rest)] for _ in range(args.requests)]
+        [shared + [rng.randrange(_VOCAB_HI) for _ in range(rest)] for _ in range(args.requests)]
         for _ in levels
     ]
 
 
 async def _bench(
-    args: argparse.Namespace, levels: list[int], prompt_sets: list[list[list[int]]]
+    args: argparse.Namespace, model: str, levels: list[int], prompt_sets: list[list[list[int]]]
 ) -> list[dict]:
     import httpx
     from tqdm import tqdm
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=600) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
+    async with httpx.AsyncClient(
+        base_url=args.url, headers=headers, timeout=600, limits=limits
+    ) as client:
         rows = []
         for level, prompts in zip(levels, prompt_sets, strict=True):
             sem = asyncio.Semaphore(level)
-            bar = tqdm(total=args.requests, desc=f"concurrency {level}", file=sys.stderr)
+            bar = tqdm(total=len(prompts), desc=f"concurrency {level}", file=sys.stderr)
+            gaps = random.Random(args.seed + level)
+            arrivals, t = [], 0.0
+            for _ in prompts:
+                arrivals.append(t)
+                if args.request_rate != float("inf"):
+                    t += gaps.expovariate(args.request_rate)
+            t0 = time.perf_counter()
 
-            async def one(prompt: list[int], sem=sem, bar=bar) -> _Result:
+            async def one(prompt: list[int], at: float, sem=sem, bar=bar, t0=t0) -> _Result:
+                delay = t0 + at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
                 async with sem:
                     r = await _one(client, model, prompt, args.max_tokens)
                 bar.update(1)
                 return r
 
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(one(p) for p in prompts))
+            results = await asyncio.gather(
+                *(one(p, a) for p, a in zip(prompts, arrivals, strict=True))
+            )
             wall = time.perf_counter() - t0
             bar.close()
             rows.append(_row(level, results, wall))
@@ -127,6 +234,9 @@ async def _bench(
 
 
 async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Result:
+    """One streamed request, timed; any failure is a failed result naming it."""
+    import httpx
+
     body = {
         "model": model,
         "prompt": prompt,
@@ -137,52 +247,79 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Resul
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    first = last = None
+    times: list[float] = []
     usage = None
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            if event["choices"]:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-    assert usage is not None and first is not None and last is not None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                try:
+                    message = json.loads(text)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = text[:200]
+                return _Result(False, f"HTTP {resp.status_code}: {message}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"]
+                if event["choices"]:
+                    times.append(time.perf_counter())
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        return _Result(False, f"{type(e).__name__}: {e}")
+    end = time.perf_counter()
+    if usage is None or not times:
+        return _Result(False, "the stream ended without tokens and usage")
     n = usage["completion_tokens"]
     return _Result(
-        ttft=first - t0,
-        tpot=(last - first) / (n - 1) if n > 1 else None,
+        True,
+        ttft=times[0] - t0,
+        tpot=(times[-1] - times[0]) / (n - 1) if n > 1 else None,
+        itl=[b - a for a, b in zip(times[:-1], times[1:], strict=True)],
+        e2el=end - t0,
         tokens=n,
         prompt_tokens=usage["prompt_tokens"],
         cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
     )
 
 
-def _pct(values: list[float], q: float) -> float:
+def _stats(values: list[float], name: str) -> dict[str, float | None]:
+    """mean, median and p99 in ms (None without values: JSON has no NaN)."""
+    import numpy as np
+
     if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+        return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
+    a = np.asarray(values) * 1e3
+    return {
+        f"mean_{name}_ms": float(a.mean()),
+        f"median_{name}_ms": float(np.median(a)),
+        f"p99_{name}_ms": float(np.percentile(a, 99)),
+    }
 
 
 def _row(level: int, results: list[_Result], wall: float) -> dict:
-    ttft = [r.ttft for r in results]
-    tpot = [r.tpot for r in results if r.tpot is not None]
+    ok = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
     return {
         "concurrency": level,
         "requests": len(results),
-        "req_s": len(results) / wall,
-        "output_tok_s": sum(r.tokens for r in results) / wall,
-        "ttft_p50_ms": 1e3 * statistics.median(ttft),
-        "ttft_p99_ms": 1e3 * _pct(ttft, 0.99),
-        "tpot_p50_ms": 1e3 * statistics.median(tpot) if tpot else float("nan"),
-        "tpot_p99_ms": 1e3 * _pct(tpot, 0.99),
-        "cached_ratio": sum(r.cached_tokens for r in results)
-        / max(1, sum(r.prompt_tokens for r in results)),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
+        "duration_s": wall,
+        "input_tokens": sum(r.prompt_tokens for r in ok),
+        "output_tokens": sum(r.tokens for r in ok),
+        "req_s": len(ok) / wall,
+        "output_tok_s": sum(r.tokens for r in ok) / wall,
+        **_stats([r.ttft for r in ok], "ttft"),
+        **_stats([r.tpot for r in ok if r.tpot is not None], "tpot"),
+        **_stats([g for r in ok for g in r.itl], "itl"),
+        **_stats([r.e2el for r in ok], "e2el"),
+        "cached_ratio": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
     }
 
 
@@ -203,8 +340,10 @@ def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) 
         pages = np.frombuffer(cache.alloc_pages(batch * per_seq), np.uint32).tolist()
         slots = [cache.alloc_slot() for _ in range(batch)] if runner.stateful else [None] * batch
     except PoolFull:
-        raise SystemExit(
-            f"--baseline-model: the default pool is too small for batch {batch}"
+        from kern.errors import UsageError
+
+        raise UsageError(
+            f"--baseline-model: the default pool is too small for --concurrency {batch}"
         ) from None
     tables = [pages[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
     try:
@@ -304,15 +443,49 @@ def _baselines(
     return runner_rates, rates
 
 
+def _print_block(row: dict) -> None:
+    """One level's summary, laid out as ``vllm bench serve`` prints it."""
+    w = 50
+    print(f" Concurrency {row['concurrency']} ".center(w, "="))
+    lines = [
+        ("Successful requests:", f"{row['completed']}"),
+        ("Failed requests:", f"{row['failed']}"),
+        ("Benchmark duration (s):", f"{row['duration_s']:.2f}"),
+        ("Total input tokens:", f"{row['input_tokens']}"),
+        ("Total generated tokens:", f"{row['output_tokens']}"),
+        ("Request throughput (req/s):", f"{row['req_s']:.2f}"),
+        ("Output token throughput (tok/s):", f"{row['output_tok_s']:.2f}"),
+        ("Prompt tokens from the cache:", f"{row['cached_ratio']:.2%}"),
+    ]
+    for label, value in lines:
+        print(f"{label:<40}{value:>10}")
+    for error, count in row["errors"].items():
+        print(f"  failed x{count}: {error}")
+    for key, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
+        print(title.center(w, "-"))
+        name = key.upper()
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            print(f"{f'{label} {name} (ms):':<40}{_fmt('{:.2f}', row[f'{stat}_{key}_ms']):>10}")
+    print("=" * w)
+
+
 def _print_table(rows: list[dict]) -> None:
     cols = [
         ("concurrency", "conc", "{:d}"),
+        ("completed", "ok", "{:d}"),
+        ("failed", "failed", "{:d}"),
         ("req_s", "req/s", "{:.2f}"),
         ("output_tok_s", "out tok/s", "{:.1f}"),
-        ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
-        ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
-        ("tpot_p50_ms", "TPOT p50 ms", "{:.2f}"),
-        ("tpot_p99_ms", "TPOT p99 ms", "{:.2f}"),
+        ("median_ttft_ms", "TTFT p50 ms", "{:.1f}"),
+        ("p99_ttft_ms", "TTFT p99 ms", "{:.1f}"),
+        ("median_tpot_ms", "TPOT p50 ms", "{:.2f}"),
+        ("p99_itl_ms", "ITL p99 ms", "{:.2f}"),
+        ("median_e2el_ms", "E2EL p50 ms", "{:.1f}"),
         ("cached_ratio", "cached", "{:.2f}"),
     ]
     if rows and "runner_tok_s" in rows[0]:
@@ -325,4 +498,8 @@ def _print_table(rows: list[dict]) -> None:
     print("| " + " | ".join(h for _, h, _ in cols) + " |")
     print("|" + "|".join(" ---: " for _ in cols) + "|")
     for row in rows:
-        print("| " + " | ".join(f.format(row[k]) for k, _, f in cols) + " |")
+        print("| " + " | ".join(_fmt(f, row[k]) for k, _, f in cols) + " |")
+
+
+def _fmt(spec: str, value: float | None) -> str:
+    return "-" if value is None else spec.format(value)

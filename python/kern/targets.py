@@ -1,0 +1,141 @@
+"""Which target a command runs, and whether kern can run it here: one resolution and one check
+for ``kern run``, ``kern test`` and ``kern serve``.
+
+Design notes
+------------
+* A target comes from a kern.toml (``--config FILE --target NAME``), from a checkpoint folder
+  (``--model DIR``), or is the embedded tiny model. Flags that map one to one to kern.toml keys
+  (``--threads``; ``kern serve`` also ``--dtype``, ``--device``, ``--pool-bytes``,
+  ``--host-bytes``, ``--page-tokens``) override the file's value. Every key remembers what set
+  it (``Target.origin``), so an error names the file and key, or the flag.
+* A key kern does not implement for the command is refused, never ignored: ``ranks`` other than
+  1 anywhere; a draft checkpoint anywhere (``draft = "ngram"`` names the drafter ``kern run``
+  and ``kern test`` use at rows > 1); and, when serving, ``rows`` other than [1] and any
+  ``draft``, since the scheduler decodes one row per step. ``kern run --rows`` and a kern.toml
+  ``rows`` stay valid for ``kern run`` and ``kern test``: they verify rows offline.
+* Everything that needs no weights is checked here, before anything loads or binds: the
+  backend's dtype, a CUDA device, and the checkpoint's ``config.json`` (its family is known
+  for the start-up line, and an unknown ``model_type`` is one line, not a traceback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from kern.config import MissingFileError, ModelConfig, load_config
+from kern.errors import UsageError
+from kern.toml_config import Target, default_dtype, load_toml_config
+
+__all__ = ["FLAGS", "check_target", "resolve_target"]
+
+# kern.toml key -> the flag that sets it on the command line.
+FLAGS = {
+    "dtype": "--dtype",
+    "device": "--device",
+    "pool_bytes": "--pool-bytes",
+    "host_bytes": "--host-bytes",
+    "page_tokens": "--page-tokens",
+    "threads": "--threads",
+}
+
+
+def resolve_target(
+    *,
+    config: Path | None,
+    target: str | None,
+    model: Path | None,
+    overrides: dict[str, Any],
+    served_name: str | None = None,
+) -> tuple[Target, str | None]:
+    """The target to run and its kern.toml name (None for ``--model`` or the embedded model).
+
+    ``overrides`` maps kern.toml keys to flag values (None: not given). Raises
+    :class:`UsageError` for a wrong combination of flags, ``TomlConfigError`` for the file.
+    """
+    if config is not None and model is not None:
+        raise UsageError(
+            f"--config {config} and --model {model}: a kern.toml target names its own "
+            "checkpoint; pass one of them"
+        )
+    if config is not None:
+        if target is None:
+            raise UsageError("--config needs --target NAME")
+        try:
+            toml = load_toml_config(config)
+        except FileNotFoundError:
+            raise UsageError(f"{config}: no such file") from None
+        resolved = toml.target(target)
+        name: str | None = target
+    else:
+        if target is not None:
+            raise UsageError("--target needs --config FILE")
+        if model is not None:
+            checkpoint = Path(model)
+            origin = {"checkpoint": f"--model {model}"}
+        else:
+            from kern.tiny import default_model_path
+
+            checkpoint = Path(default_model_path())
+            origin = {"checkpoint": "the embedded model"}
+        resolved = Target(name=checkpoint.name, checkpoint=checkpoint.resolve(), origin=origin)
+        name = None
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if "device" in given and "dtype" not in given:
+        # A device flag without a dtype means that backend's dtype, as in a kern.toml.
+        given["dtype"] = default_dtype(given["device"])
+        origin_dtype = f"{FLAGS['device']} {given['device']}"
+    else:
+        origin_dtype = FLAGS["dtype"]
+    if given:
+        origin = dict(resolved.origin)
+        for key in given:
+            origin[key] = origin_dtype if key == "dtype" else FLAGS[key]
+        resolved = dataclasses.replace(resolved, **given, origin=origin)
+    if served_name is not None:
+        resolved = dataclasses.replace(resolved, name=served_name)
+    return resolved, name
+
+
+def check_target(target: Target, *, serving: bool) -> ModelConfig:
+    """Refuse what kern cannot run here (see the design notes); return the checkpoint's
+    config. Raises :class:`UsageError` naming the key's file or flag, and
+    ``CheckpointError`` for a missing or unreadable checkpoint."""
+    if target.ranks != 1:
+        raise UsageError(
+            f"{target.where('ranks')}: ranks = {target.ranks}: kern runs one rank "
+            "(several ranks are not implemented yet)"
+        )
+    if target.draft is not None:
+        why = None
+        if serving:
+            why = "the server does not speculate yet"
+        elif target.draft != "ngram":
+            why = "draft checkpoints are not implemented yet ('ngram' is kern run's drafter)"
+        if why is not None:
+            raise UsageError(f"{target.where('draft')}: draft = {target.draft!r}: {why}")
+    if serving and target.rows != (1,):
+        raise UsageError(
+            f"{target.where('rows')}: rows = {list(target.rows)}: the server decodes one row "
+            "per step (rows > 1 is for kern run and kern test)"
+        )
+    # Each backend computes in one dtype (kern.backend): anything else would be converted
+    # back, and the output would claim a dtype it did not use.
+    backend_dtype = default_dtype(target.device)
+    if target.dtype != backend_dtype:
+        raise UsageError(
+            f"{target.where('dtype')}: target {target.name!r} is {target.device}/"
+            f"{target.dtype}: the {target.device} backend runs {backend_dtype}"
+        )
+    if target.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(
+                f"{target.where('device')}: target {target.name!r} runs on {target.device}, "
+                "but torch sees no CUDA device here"
+            )
+    if not target.checkpoint.is_dir():
+        raise MissingFileError(f"{target.checkpoint}: no such checkpoint folder")
+    return load_config(target.checkpoint)
