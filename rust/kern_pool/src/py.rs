@@ -2,21 +2,27 @@
 //! types, and one exception class per failure. Token ids and page ids cross as buffers
 //! (numpy uint32 arrays, `array('I')`, bytes) and come back as `bytes` of little-endian u32,
 //! never as one Python object per id. Long walks run with the GIL released. A panic never
-//! crosses: each entry point catches it and raises `CacheCorrupt` instead.
+//! crosses: each entry point catches it and raises `CacheCorrupt` instead. Integer arguments
+//! are read here, so a negative or oversized one is an `InvalidArgument` naming it, not
+//! pyo3's `OverflowError`.
+//!
+//! What only tests read sits behind `Cache._peek` (a match that changes nothing) and
+//! `Cache._record_paths` (keys that carry their token paths); the scheduler needs neither.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use pyo3::buffer::PyBuffer;
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt};
 
 use crate::cache::{Cache as CoreCache, CacheConfig, CacheStats};
 use crate::error::KernError;
 use crate::ids::{NodeId, SlotId};
 use crate::plan::{self, EntryKey as CoreKey};
 use crate::pool::Pool;
+use crate::prefix::Match as CoreMatch;
 
 create_exception!(
     kern._pool,
@@ -86,6 +92,12 @@ create_exception!(
 );
 create_exception!(
     kern._pool,
+    InvalidArgument,
+    PyValueError,
+    "An argument out of range (a negative count, an id past 2^32) or of the wrong type."
+);
+create_exception!(
+    kern._pool,
     CacheCorrupt,
     PyRuntimeError,
     "An internal invariant failed: a bug in kern_pool."
@@ -98,7 +110,8 @@ impl From<KernError> for PyErr {
             KernError::BudgetTooSmall { .. } | KernError::ZeroSize { .. } => {
                 BudgetTooSmall::new_err(msg)
             }
-            KernError::PoolFull { .. } => PoolFull::new_err(msg),
+            KernError::PoolFull { .. } | KernError::RoomFull { .. } => PoolFull::new_err(msg),
+            KernError::TooLong { .. } => LengthMismatch::new_err(msg),
             KernError::NotAllocated { .. } => NotAllocated::new_err(msg),
             KernError::Repeated { .. } => RepeatedId::new_err(msg),
             KernError::OwnedByCache { .. } => OwnedByCache::new_err(msg),
@@ -142,14 +155,13 @@ fn detached<T: Send>(
     }
 }
 
-/// Read a buffer of u32 without a Python object per id: a uint32 buffer (numpy, `array('I')`)
-/// or raw bytes holding little-endian u32.
+/// Read a buffer of u32 without a Python object per id: a buffer of 4-byte unsigned ints
+/// (numpy uint32 in either byte order, `array('I')`), or `bytes`/`bytearray` holding
+/// little-endian u32. Anything else, a uint8 array included, is `NotU32`.
 fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
-    if let Ok(buf) = PyBuffer::<u32>::get(obj) {
-        return buf.to_vec(py);
-    }
-    if let Ok(buf) = PyBuffer::<u8>::get(obj) {
-        let bytes = buf.to_vec(py)?;
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyByteArray>() {
+        let buf = PyUntypedBuffer::get(obj)?;
+        let bytes = buf.into_typed::<u8>()?.to_vec(py)?;
         if bytes.len() % 4 != 0 {
             return Err(NotU32::new_err(format!(
                 "{what}: {} bytes is not a whole number of uint32 ids",
@@ -166,20 +178,95 @@ fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<
         .name()
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "?".into());
-    let format = py
-        .import("builtins")
-        .and_then(|b| b.getattr("memoryview"))
-        .and_then(|mv| mv.call1((obj,)))
-        .and_then(|view| view.getattr("format"))
-        .and_then(|f| f.extract::<String>());
-    let detail = match format {
-        Ok(f) => format!(
-            "a buffer of format '{f}', not uint32 (convert with numpy.asarray(x, numpy.uint32))"
-        ),
-        Err(_) => "not a buffer (convert with numpy.asarray(x, numpy.uint32))".to_string(),
+    let Ok(buf) = PyUntypedBuffer::get(obj) else {
+        return Err(NotU32::new_err(format!(
+            "{what} must be a buffer of uint32 (a numpy uint32 array, array('I') or bytes); got \
+             {kind}: not a buffer (convert with numpy.asarray(x, numpy.uint32))"
+        )));
     };
-    Err(NotU32::new_err(format!(
-        "{what} must be a buffer of uint32 (a numpy uint32 array, array('I') or bytes); got {kind}: {detail}"
+    let format = buf.format().to_string_lossy().into_owned();
+    let fmt = format.as_bytes();
+    let (order, code) = match fmt {
+        [c] => (b'@', *c),
+        [o, c] => (*o, *c),
+        _ => (b'?', b'?'),
+    };
+    let native = cfg!(target_endian = "little");
+    let little = match order {
+        b'@' | b'=' => Some(native),
+        b'<' => Some(true),
+        b'>' | b'!' => Some(false),
+        _ => None,
+    };
+    let (Some(little), true, 4) = (little, matches!(code, b'I' | b'L'), buf.item_size()) else {
+        return Err(NotU32::new_err(format!(
+            "{what} must be a buffer of uint32 (a numpy uint32 array, array('I') or bytes); got \
+             {kind}: a buffer of format '{format}', not uint32 (convert with \
+             numpy.asarray(x, numpy.uint32))"
+        )));
+    };
+    if buf.is_c_contiguous() {
+        // SAFETY: the exporter keeps `len_bytes` readable bytes at `buf_ptr` while `buf` lives.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
+        let read = if little {
+            u32::from_le_bytes
+        } else {
+            u32::from_be_bytes
+        };
+        return Ok(bytes
+            .chunks_exact(4)
+            .map(|c| read([c[0], c[1], c[2], c[3]]))
+            .collect());
+    }
+    // A strided view: let Python make it contiguous, then read that.
+    let copy = py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((obj,))?
+        .call_method0("tobytes")?;
+    let bytes: Vec<u8> = copy.extract()?;
+    let read = if little {
+        u32::from_le_bytes
+    } else {
+        u32::from_be_bytes
+    };
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| read([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// An integer argument in the range of `T`, or `InvalidArgument` naming it.
+fn int_arg<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
+    let bad = |why: String| InvalidArgument::new_err(format!("{name}: {why}"));
+    if !obj.is_instance_of::<PyInt>() {
+        let kind = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "?".into());
+        return Err(bad(format!("must be an int, got {kind}")));
+    }
+    let shown = || obj.repr().map_or_else(|_| "?".into(), |r| r.to_string());
+    let v: u64 = obj
+        .extract()
+        .map_err(|_| bad(format!("{} is out of range", shown())))?;
+    T::try_from(v).map_err(|_| bad(format!("{} is out of range", shown())))
+}
+
+/// A bool argument (an int is refused: `park=0` is more likely a slip than a choice).
+fn bool_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    if obj.is_instance_of::<PyBool>() {
+        return obj.extract();
+    }
+    let kind = obj
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into());
+    Err(InvalidArgument::new_err(format!(
+        "{name}: must be a bool, got {kind}"
     )))
 }
 
@@ -189,14 +276,21 @@ fn show<T: std::fmt::Display>(x: Option<T>) -> String {
 }
 
 fn u32_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
-    PyBytes::new_with(py, ids.len() * 4, |buf| {
-        for (dst, id) in buf.chunks_exact_mut(4).zip(ids) {
-            dst.copy_from_slice(&id.to_le_bytes());
-        }
-        Ok(())
-    })
-    .expect("filling a fresh bytes object cannot fail")
+    if cfg!(target_endian = "little") {
+        // SAFETY: a u32 slice is 4 * len initialised bytes, in little-endian order here.
+        let raw = unsafe { std::slice::from_raw_parts(ids.as_ptr() as *const u8, ids.len() * 4) };
+        return PyBytes::new(py, raw);
+    }
+    let mut raw = Vec::with_capacity(ids.len() * 4);
+    for id in ids {
+        raw.extend_from_slice(&id.to_le_bytes());
+    }
+    PyBytes::new(py, &raw)
 }
+
+/// Walks of keys this long or longer run with the GIL released; shorter ones are over before
+/// releasing and taking it back would pay (about a microsecond).
+const DETACH_TOKENS: usize = 4096;
 
 /// The longest cached prefix of a key (see `Cache.match`).
 #[pyclass(frozen, module = "kern._pool")]
@@ -235,65 +329,66 @@ impl Match {
     }
 }
 
-/// What `Cache.insert` left to the caller.
-#[pyclass(frozen, module = "kern._pool")]
+impl From<CoreMatch> for Match {
+    fn from(m: CoreMatch) -> Self {
+        Match {
+            hit_len: m.hit_len,
+            resident_len: m.resident_len,
+            node: m.node.map(NodeId::to_u64),
+            pages: m.pages.into_iter().map(|p| p.0).collect(),
+            state_len: m.state.map(|s| s.len),
+            state_slot: m.state.and_then(|s| s.slot).map(|s| s.0),
+        }
+    }
+}
+
+/// What `Cache.insert` did.
+#[pyclass(frozen, module = "kern._pool", get_all)]
 pub struct Inserted {
-    duplicates: Vec<u32>,
-    #[pyo3(get)]
-    state_duplicate: Option<u32>,
-    #[pyo3(get)]
-    node: Option<u64>,
+    /// Leading tokens of the key the tree held before (what a match would have hit).
+    held: u32,
+    /// Parked entries the caller's pages made resident (woken without a copy).
+    woken: u32,
 }
 
 #[pymethods]
 impl Inserted {
-    /// Pages the tree already held: the caller frees them.
-    #[getter]
-    fn duplicates<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        u32_bytes(py, &self.duplicates)
-    }
-
     fn __repr__(&self) -> String {
-        format!(
-            "Inserted(duplicates={}, state_duplicate={}, node={})",
-            self.duplicates.len(),
-            show(self.state_duplicate),
-            show(self.node)
-        )
+        format!("Inserted(held={}, woken={})", self.held, self.woken)
     }
 }
 
-/// A tree entry: its whole token path and where its own tokens start.
+/// A tree entry: where its own tokens start and end in its path; the path's tokens only when
+/// the cache records them (a test-only switch).
 #[pyclass(frozen, module = "kern._pool", from_py_object)]
 #[derive(Clone)]
 pub struct EntryKey {
-    tokens: Vec<u32>,
     #[pyo3(get)]
     start: u32,
+    #[pyo3(get)]
+    end: u32,
+    tokens: Option<Vec<u32>>,
 }
 
 #[pymethods]
 impl EntryKey {
+    /// The whole token path from the root to `end`, or None unless the cache records paths.
     #[getter]
-    fn tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        u32_bytes(py, &self.tokens)
-    }
-
-    #[getter]
-    fn end(&self) -> usize {
-        self.tokens.len()
+    fn tokens<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.tokens.as_deref().map(|t| u32_bytes(py, t))
     }
 
     fn __repr__(&self) -> String {
-        format!("EntryKey(start={}, end={})", self.start, self.tokens.len())
+        format!("EntryKey(start={}, end={})", self.start, self.end)
     }
 }
 
 impl From<CoreKey> for EntryKey {
     fn from(k: CoreKey) -> Self {
         EntryKey {
-            tokens: k.tokens,
             start: k.start,
+            end: k.end,
+            tokens: k.tokens,
         }
     }
 }
@@ -414,6 +509,49 @@ impl From<plan::Evicted> for Evicted {
                 key: key.into(),
                 parked,
             },
+        }
+    }
+}
+
+/// What `Cache.make_room` did: each step of the loop (land every park plan before allocating),
+/// the device pages and slots those steps gave back, and whether the room asked for is there.
+#[pyclass(frozen, module = "kern._pool")]
+pub struct Room {
+    evicted: Vec<plan::Evicted>,
+    #[pyo3(get)]
+    pages_freed: u64,
+    #[pyo3(get)]
+    slots_freed: u64,
+    #[pyo3(get)]
+    fits: bool,
+}
+
+#[pymethods]
+impl Room {
+    /// The steps, oldest first.
+    #[getter]
+    fn evicted(&self) -> Vec<Evicted> {
+        self.evicted.iter().cloned().map(Evicted::from).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Room(evicted={}, pages_freed={}, slots_freed={}, fits={})",
+            self.evicted.len(),
+            self.pages_freed,
+            self.slots_freed,
+            if self.fits { "True" } else { "False" }
+        )
+    }
+}
+
+impl From<plan::Room> for Room {
+    fn from(r: plan::Room) -> Self {
+        Room {
+            evicted: r.evicted,
+            pages_freed: r.pages_freed,
+            slots_freed: r.slots_freed,
+            fits: r.fits,
         }
     }
 }
@@ -540,22 +678,28 @@ pub struct Cache {
 #[pymethods]
 impl Cache {
     #[new]
-    #[pyo3(signature = (*, page_tokens, page_bytes, device_bytes, state_bytes = 0, host_bytes = 0, min_slots = 2))]
+    #[pyo3(
+        signature = (*, page_tokens, page_bytes, device_bytes, state_bytes = None, host_bytes = None, min_slots = None),
+        text_signature = "(*, page_tokens, page_bytes, device_bytes, state_bytes=0, host_bytes=0, min_slots=2)"
+    )]
     fn new(
-        page_tokens: u32,
-        page_bytes: u64,
-        device_bytes: u64,
-        state_bytes: u64,
-        host_bytes: u64,
-        min_slots: u32,
+        page_tokens: &Bound<'_, PyAny>,
+        page_bytes: &Bound<'_, PyAny>,
+        device_bytes: &Bound<'_, PyAny>,
+        state_bytes: Option<&Bound<'_, PyAny>>,
+        host_bytes: Option<&Bound<'_, PyAny>>,
+        min_slots: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let opt = |x: Option<&Bound<'_, PyAny>>, name: &str, default: u64| -> PyResult<u64> {
+            x.map_or(Ok(default), |v| int_arg(v, name))
+        };
         let cfg = CacheConfig {
-            page_tokens,
-            page_bytes,
-            state_bytes,
-            device_bytes,
-            host_bytes,
-            min_slots,
+            page_tokens: int_arg(page_tokens, "page_tokens")?,
+            page_bytes: int_arg(page_bytes, "page_bytes")?,
+            state_bytes: opt(state_bytes, "state_bytes", 0)?,
+            device_bytes: int_arg(device_bytes, "device_bytes")?,
+            host_bytes: opt(host_bytes, "host_bytes", 0)?,
+            min_slots: min_slots.map_or(Ok(2), |v| int_arg(v, "min_slots"))?,
         };
         Ok(Cache {
             inner: guarded(|| CoreCache::new(cfg))?,
@@ -576,33 +720,28 @@ impl Cache {
     fn host(&self) -> Option<Geometry> {
         self.inner.host_pool().map(Geometry::from)
     }
-    /// Pages allocatable now without evicting anything (cheap; `stats()` recounts the tree).
+    /// Pages allocatable now without evicting anything.
     #[getter]
     fn pages_free(&self) -> u64 {
         self.inner.pool().available(crate::pool::Kind::Pages)
     }
 
+    /// The longest cached prefix of `tokens`, locked: call `unlock(m.node)` once when done.
     #[pyo3(name = "match")]
     fn match_(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Match> {
         let tokens = read_u32(py, tokens, "tokens")?;
         let inner = &mut self.inner;
-        let m = detached(py, || Ok(inner.match_prefix(&tokens)))?;
-        Ok(Match {
-            hit_len: m.hit_len,
-            resident_len: m.resident_len,
-            node: m.node.map(NodeId::to_u64),
-            pages: m.pages.into_iter().map(|p| p.0).collect(),
-            state_len: m.state.map(|s| s.len),
-            state_slot: m.state.and_then(|s| s.slot).map(|s| s.0),
-        })
+        let m = if tokens.len() >= DETACH_TOKENS {
+            detached(py, || Ok(inner.match_prefix(&tokens)))?
+        } else {
+            guarded(|| Ok(inner.match_prefix(&tokens)))?
+        };
+        Ok(m.into())
     }
 
-    fn lock(&mut self, node: u64) -> PyResult<()> {
-        guarded(|| self.inner.lock(NodeId::from_u64(node)))
-    }
-
-    fn unlock(&mut self, node: u64) -> PyResult<()> {
-        guarded(|| self.inner.unlock(NodeId::from_u64(node)))
+    fn unlock(&mut self, node: &Bound<'_, PyAny>) -> PyResult<()> {
+        let node = NodeId::from_u64(int_arg(node, "node")?);
+        guarded(|| self.inner.unlock(node))
     }
 
     #[pyo3(signature = (tokens, pages, state = None))]
@@ -611,38 +750,62 @@ impl Cache {
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         pages: &Bound<'_, PyAny>,
-        state: Option<u32>,
+        state: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Inserted> {
         let tokens = read_u32(py, tokens, "tokens")?;
         let pages = read_u32(py, pages, "pages")?;
+        let state = state.map(|s| int_arg(s, "state")).transpose()?.map(SlotId);
         let inner = &mut self.inner;
-        let r = detached(py, || inner.insert(&tokens, &pages, state.map(SlotId)))?;
+        let call = || inner.insert(&tokens, &pages, state);
+        let r = if tokens.len() >= DETACH_TOKENS {
+            detached(py, call)?
+        } else {
+            guarded(call)?
+        };
         Ok(Inserted {
-            duplicates: r.duplicates.into_iter().map(|p| p.0).collect(),
-            state_duplicate: r.state_duplicate.map(|s| s.0),
-            node: r.node.map(NodeId::to_u64),
+            held: r.held,
+            woken: r.woken,
         })
     }
 
-    #[pyo3(signature = (pages, slots = 0, park = true))]
+    #[pyo3(
+        signature = (pages = None, slots = None, park = None),
+        text_signature = "($self, pages=0, slots=0, park=True)"
+    )]
     fn make_room(
         &mut self,
         py: Python<'_>,
-        pages: u64,
-        slots: u64,
-        park: bool,
-    ) -> PyResult<Vec<Evicted>> {
+        pages: Option<&Bound<'_, PyAny>>,
+        slots: Option<&Bound<'_, PyAny>>,
+        park: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Room> {
+        let pages: u64 = pages.map_or(Ok(0), |v| int_arg(v, "pages"))?;
+        let slots: u64 = slots.map_or(Ok(0), |v| int_arg(v, "slots"))?;
+        let park = park.map_or(Ok(true), |v| bool_arg(v, "park"))?;
         let inner = &mut self.inner;
-        let taken = detached(py, || Ok(inner.make_room(pages, slots, park)))?;
-        Ok(taken.into_iter().map(Evicted::from).collect())
+        if inner.pool().fits(pages, slots) {
+            return Ok(Room {
+                evicted: Vec::new(),
+                pages_freed: 0,
+                slots_freed: 0,
+                fits: true,
+            });
+        }
+        Ok(detached(py, || Ok(inner.make_room(pages, slots, park)))?.into())
     }
 
-    fn wake(&mut self, py: Python<'_>, node: u64) -> PyResult<Woken> {
+    fn wake(&mut self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<Woken> {
+        let node = NodeId::from_u64(int_arg(node, "node")?);
         let inner = &mut self.inner;
-        Ok(detached(py, || inner.wake(NodeId::from_u64(node)))?.into())
+        Ok(detached(py, || inner.wake(node))?.into())
     }
 
-    fn alloc_pages<'py>(&mut self, py: Python<'py>, n: usize) -> PyResult<Bound<'py, PyBytes>> {
+    fn alloc_pages<'py>(
+        &mut self,
+        py: Python<'py>,
+        n: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let n: usize = int_arg(n, "n")?;
         let pages = guarded(|| self.inner.alloc_pages(n))?;
         let ids: Vec<u32> = pages.into_iter().map(|p| p.0).collect();
         Ok(u32_bytes(py, &ids))
@@ -657,8 +820,9 @@ impl Cache {
         guarded(|| self.inner.alloc_slot()).map(|s| s.0)
     }
 
-    fn free_slot(&mut self, slot: u32) -> PyResult<()> {
-        guarded(|| self.inner.free_slot(SlotId(slot)))
+    fn free_slot(&mut self, slot: &Bound<'_, PyAny>) -> PyResult<()> {
+        let slot = SlotId(int_arg(slot, "slot")?);
+        guarded(|| self.inner.free_slot(slot))
     }
 
     fn stats(&self) -> PyResult<Stats> {
@@ -668,6 +832,19 @@ impl Cache {
     fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
         let inner = &self.inner;
         detached(py, || inner.check_integrity())
+    }
+
+    /// Test-only: what `match` would return, changing nothing (no split, no refresh, no lock).
+    fn _peek(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Match> {
+        let tokens = read_u32(py, tokens, "tokens")?;
+        Ok(guarded(|| Ok(self.inner.peek(&tokens)))?.into())
+    }
+
+    /// Test-only: record each evicted or woken entry's whole token path in its key.
+    fn _record_paths(&mut self, on: &Bound<'_, PyAny>) -> PyResult<()> {
+        let on = bool_arg(on, "on")?;
+        self.inner.record_paths(on);
+        Ok(())
     }
 }
 
@@ -680,6 +857,7 @@ fn _pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CopyPlan>()?;
     m.add_class::<Woken>()?;
     m.add_class::<Evicted>()?;
+    m.add_class::<Room>()?;
     m.add_class::<Stats>()?;
     m.add_class::<Geometry>()?;
     let py = m.py();
@@ -695,6 +873,7 @@ fn _pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("SharedPageExtended", py.get_type::<SharedPageExtended>()),
         ("NotU32", py.get_type::<NotU32>()),
         ("NoHostTier", py.get_type::<NoHostTier>()),
+        ("InvalidArgument", py.get_type::<InvalidArgument>()),
         ("CacheCorrupt", py.get_type::<CacheCorrupt>()),
     ] {
         m.add(name, ty)?;

@@ -93,8 +93,8 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
     for op in ops {
         match op {
             Op::MakeRoom { pages, park } => {
-                let taken = cache.make_room(pages, 0, park);
-                land(&mut mem, &mut counts, taken);
+                let room = cache.make_room(pages, 0, park);
+                land(&mut mem, &mut counts, room.evicted);
             }
             Op::Request {
                 base,
@@ -107,22 +107,19 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                     continue;
                 }
                 let snapshot = snapshot && stateful;
-                let m = cache.match_prefix(&tokens);
+                // Match locks what it returns.
+                let mut m = cache.match_prefix(&tokens);
                 let mut hit = m.hit_len as usize;
-                if let Some(node) = m.node {
-                    cache.lock(node).unwrap();
-                }
                 // Wake a parked hit, making room first if needed.
-                let mut m = m;
                 if m.resident_len < m.hit_len {
                     let node = m.node.unwrap();
                     let plan = loop {
                         match cache.wake(node) {
                             Ok(plan) => break Some(plan),
-                            Err(KernError::PoolFull { needed, .. }) => {
-                                let taken = cache.make_room(needed, 1, true);
-                                let stuck = taken.is_empty();
-                                land(&mut mem, &mut counts, taken);
+                            Err(KernError::RoomFull { pages, slots, .. }) => {
+                                let room = cache.make_room(pages, slots, true);
+                                let stuck = room.evicted.is_empty();
+                                land(&mut mem, &mut counts, room.evicted);
                                 if stuck {
                                     break None;
                                 }
@@ -143,7 +140,11 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                             mem.dev_slots.insert(d.0, v);
                         }
                     }
-                    m = cache.match_prefix(&tokens);
+                    // Read the woken pages: a second match, its own lock, and the first one
+                    // released.
+                    let again = cache.match_prefix(&tokens);
+                    cache.unlock(node).unwrap();
+                    m = again;
                 }
                 // Whatever is resident must read back as exactly the hit's tokens.
                 let resident = m.resident_len as usize;
@@ -162,8 +163,8 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                 let shared = hit / pt;
                 let total = tokens.len().div_ceil(pt);
                 let need = (total - shared) as u64 + u64::from(snapshot);
-                let taken = cache.make_room(need, u64::from(snapshot), true);
-                land(&mut mem, &mut counts, taken);
+                let room = cache.make_room(need, u64::from(snapshot), true);
+                land(&mut mem, &mut counts, room.evicted);
                 let Ok(fresh) = cache.alloc_pages(total - shared) else {
                     if let Some(node) = m.node {
                         cache.unlock(node).unwrap();
@@ -191,22 +192,21 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                 } else {
                     None
                 };
+                // The tree takes what it lacks and frees the rest: every page and the slot are
+                // the tree's or free afterwards.
                 let ins = cache.insert(&tokens, &pages, state).unwrap();
-                for d in &ins.duplicates {
-                    mem.dev_pages.remove(&d.0);
-                }
-                cache
-                    .free_pages(&ins.duplicates.iter().map(|p| p.0).collect::<Vec<_>>())
-                    .unwrap();
-                if let Some(s) = ins.state_duplicate {
-                    mem.dev_slots.remove(&s.0);
-                    cache.free_slot(s).unwrap();
+                assert!(ins.held as usize >= hit);
+                for p in &pages {
+                    assert!(
+                        cache.owns_page(*p) || cache.free_pages(&[*p]).is_err(),
+                        "page {p} neither the tree's nor free"
+                    );
                 }
                 if let Some(node) = m.node {
                     cache.unlock(node).unwrap();
                 }
                 // The request's own tokens now hit in full.
-                let again = cache.match_prefix(&tokens);
+                let again = cache.peek(&tokens);
                 assert_eq!(again.hit_len as usize, tokens.len());
             }
         }
@@ -231,8 +231,9 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
     }
     // Evict everything resident: the device back at its start. What stays is parked entries,
     // and the host holds exactly their pages (check_integrity recounts that).
-    let taken = cache.make_room(u64::MAX, u64::MAX, false);
-    land(&mut mem, &mut counts, taken);
+    let all = u64::from(cache.pool().num_pages());
+    let room = cache.make_room(all, 0, false);
+    land(&mut mem, &mut counts, room.evicted);
     cache.check_integrity().unwrap();
     let end = cache.stats();
     assert_eq!(end.tree.resident_pages, 0);
