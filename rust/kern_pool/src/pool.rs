@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 
-use crate::bits::Bits;
+use crate::bits::{Bits, Divisor};
 use crate::error::{KernError, Result};
 
 /// About this many chunks at any budget (fewer when one object is larger than budget / this).
@@ -135,6 +135,7 @@ struct Class {
     kind: Kind,
     object_bytes: u64,
     per_chunk: u32,
+    chunk_of: Divisor,
     /// One bit per position of the whole arena: allocated or not.
     allocated: Bits,
     used_in_chunk: Vec<u32>,
@@ -155,6 +156,7 @@ impl Class {
             kind,
             object_bytes,
             per_chunk,
+            chunk_of: Divisor::new(per_chunk),
             allocated: Bits::new(per_chunk * num_chunks),
             used_in_chunk: vec![0; num_chunks as usize],
             partial: Bits::new(num_chunks),
@@ -202,11 +204,11 @@ impl Class {
         }
     }
 
-    /// One position of chunk `c` was just freed (bit already cleared).
-    fn gave_back(&mut self, c: u32) {
-        let after = self.used_in_chunk[c as usize] - 1;
+    /// `k` positions of chunk `c` were just freed (bits already cleared).
+    fn gave_back(&mut self, c: u32, k: u32) {
+        let after = self.used_in_chunk[c as usize] - k;
         self.used_in_chunk[c as usize] = after;
-        self.used -= 1;
+        self.used -= u64::from(k);
         if after == 0 {
             self.partial.clear(c);
             self.empty.set(c);
@@ -535,10 +537,7 @@ impl Pool {
             let per = class.per_chunk;
             class
                 .allocated
-                .clear_in(c * per, (c + 1) * per, up, n - from, &mut out);
-            for &p in &out[from..] {
-                class.allocated.set(p);
-            }
+                .take_clear(c * per, (c + 1) * per, up, n - from, &mut out);
             class.took(c, (out.len() - from) as u32);
         }
         if out.len() < n {
@@ -571,22 +570,27 @@ impl Pool {
         let Some(class) = self.class_mut(kind) else {
             return Err(KernError::NotAllocated { what, id: ids[0] });
         };
-        for (i, &id) in ids.iter().enumerate() {
-            if id >= class.allocated.len() || !class.allocated.clear(id) {
-                for &p in &ids[..i] {
-                    class.allocated.set(p);
-                }
-                return Err(if ids[..i].contains(&id) {
-                    KernError::Repeated { what, id }
-                } else {
-                    KernError::NotAllocated { what, id }
-                });
-            }
+        if let Err(i) = class.allocated.clear_all(ids) {
+            let id = ids[i];
+            return Err(if ids[..i].contains(&id) {
+                KernError::Repeated { what, id }
+            } else {
+                KernError::NotAllocated { what, id }
+            });
         }
-        let per = class.per_chunk;
+        // Ids mostly come in runs within a chunk: count a run, then book it once.
+        let (chunk_of, per) = (class.chunk_of, class.per_chunk);
+        let (mut run, mut k) = (chunk_of.quotient(ids[0]), 0u32);
+        let (mut lo, mut hi) = (run * per, run * per + per);
         for &id in ids {
-            class.gave_back(id / per);
+            if id < lo || id >= hi {
+                class.gave_back(run, k);
+                run = chunk_of.quotient(id);
+                (lo, hi, k) = (run * per, run * per + per, 0);
+            }
+            k += 1;
         }
+        class.gave_back(run, k);
         Ok(())
     }
 
@@ -715,7 +719,7 @@ impl Shadow<'_> {
         let Some(class) = self.pool.class(kind) else {
             return;
         };
-        let c = id / class.per_chunk;
+        let c = class.chunk_of.quotient(id);
         let n = self.freed[k].entry(c).or_insert(0);
         *n += 1;
         self.counts[k].free += 1;

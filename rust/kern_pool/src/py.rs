@@ -161,39 +161,37 @@ fn detached<T: Send>(
 fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyByteArray>() {
         let buf = PyUntypedBuffer::get(obj)?;
-        let bytes = buf.into_typed::<u8>()?.to_vec(py)?;
-        if bytes.len() % 4 != 0 {
+        if buf.len_bytes() % 4 != 0 {
             return Err(NotU32::new_err(format!(
                 "{what}: {} bytes is not a whole number of uint32 ids",
-                bytes.len()
+                buf.len_bytes()
             )));
         }
-        return Ok(bytes
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect());
+        // SAFETY: bytes and bytearray are contiguous: `len_bytes` readable bytes at `buf_ptr`.
+        let raw =
+            unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
+        return Ok(decode(raw, true));
     }
-    let kind = obj
-        .get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "?".into());
+    let kind = || {
+        obj.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "?".into())
+    };
     let Ok(buf) = PyUntypedBuffer::get(obj) else {
         return Err(NotU32::new_err(format!(
             "{what} must be a buffer of uint32 (a numpy uint32 array, array('I') or bytes); got \
-             {kind}: not a buffer (convert with numpy.asarray(x, numpy.uint32))"
+             {}: not a buffer (convert with numpy.asarray(x, numpy.uint32))",
+            kind()
         )));
     };
-    let format = buf.format().to_string_lossy().into_owned();
-    let fmt = format.as_bytes();
-    let (order, code) = match fmt {
+    let (order, code) = match buf.format().to_bytes() {
         [c] => (b'@', *c),
         [o, c] => (*o, *c),
         _ => (b'?', b'?'),
     };
-    let native = cfg!(target_endian = "little");
     let little = match order {
-        b'@' | b'=' => Some(native),
+        b'@' | b'=' => Some(cfg!(target_endian = "little")),
         b'<' => Some(true),
         b'>' | b'!' => Some(false),
         _ => None,
@@ -201,23 +199,17 @@ fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<
     let (Some(little), true, 4) = (little, matches!(code, b'I' | b'L'), buf.item_size()) else {
         return Err(NotU32::new_err(format!(
             "{what} must be a buffer of uint32 (a numpy uint32 array, array('I') or bytes); got \
-             {kind}: a buffer of format '{format}', not uint32 (convert with \
-             numpy.asarray(x, numpy.uint32))"
+             {}: a buffer of format '{}', not uint32 (convert with \
+             numpy.asarray(x, numpy.uint32))",
+            kind(),
+            buf.format().to_string_lossy()
         )));
     };
     if buf.is_c_contiguous() {
         // SAFETY: the exporter keeps `len_bytes` readable bytes at `buf_ptr` while `buf` lives.
-        let bytes =
+        let raw =
             unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
-        let read = if little {
-            u32::from_le_bytes
-        } else {
-            u32::from_be_bytes
-        };
-        return Ok(bytes
-            .chunks_exact(4)
-            .map(|c| read([c[0], c[1], c[2], c[3]]))
-            .collect());
+        return Ok(decode(raw, little));
     }
     // A strided view: let Python make it contiguous, then read that.
     let copy = py
@@ -225,31 +217,46 @@ fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<
         .getattr("memoryview")?
         .call1((obj,))?
         .call_method0("tobytes")?;
-    let bytes: Vec<u8> = copy.extract()?;
-    let read = if little {
-        u32::from_le_bytes
-    } else {
-        u32::from_be_bytes
-    };
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| read([c[0], c[1], c[2], c[3]]))
-        .collect())
+    let raw: Vec<u8> = copy.extract()?;
+    Ok(decode(&raw, little))
 }
 
-/// An integer argument in the range of `T`, or `InvalidArgument` naming it.
+/// u32s from raw bytes in the given order: one copy when that is the machine's order.
+fn decode(raw: &[u8], little: bool) -> Vec<u32> {
+    let n = raw.len() / 4;
+    let mut out: Vec<u32> = Vec::with_capacity(n);
+    // SAFETY: `out` has room for n u32s (4n bytes), `raw` holds at least 4n, and any bit
+    // pattern is a valid u32.
+    unsafe {
+        std::ptr::copy_nonoverlapping(raw.as_ptr(), out.as_mut_ptr() as *mut u8, n * 4);
+        out.set_len(n);
+    }
+    if little != cfg!(target_endian = "little") {
+        for x in &mut out {
+            *x = x.swap_bytes();
+        }
+    }
+    out
+}
+
+/// An integer argument (an int or anything with `__index__`, as numpy integers) in the range
+/// of `T`, or `InvalidArgument` naming it.
 fn int_arg<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
     let bad = |why: String| InvalidArgument::new_err(format!("{name}: {why}"));
-    if !obj.is_instance_of::<PyInt>() {
-        let kind = obj
-            .get_type()
-            .name()
-            .map(|n| n.to_string())
-            .unwrap_or_else(|_| "?".into());
-        return Err(bad(format!("must be an int, got {kind}")));
-    }
-    let shown = || obj.repr().map_or_else(|_| "?".into(), |r| r.to_string());
-    let v: u64 = obj
+    let index = if obj.is_instance_of::<PyInt>() {
+        obj.clone()
+    } else {
+        obj.call_method0("__index__").map_err(|_| {
+            let kind = obj
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into());
+            bad(format!("must be an int, got {kind}"))
+        })?
+    };
+    let shown = || index.repr().map_or_else(|_| "?".into(), |r| r.to_string());
+    let v: u64 = index
         .extract()
         .map_err(|_| bad(format!("{} is out of range", shown())))?;
     T::try_from(v).map_err(|_| bad(format!("{} is out of range", shown())))
@@ -288,9 +295,9 @@ fn u32_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &raw)
 }
 
-/// Walks of keys this long or longer run with the GIL released; shorter ones are over before
-/// releasing and taking it back would pay (about a microsecond).
-const DETACH_TOKENS: usize = 4096;
+/// Walks of keys this long or longer run with the GIL released. Releasing and taking it back
+/// cost about 0.5 us here, half a 4,096-token match; a 32,768-token walk takes several us.
+const DETACH_TOKENS: usize = 32_768;
 
 /// The longest cached prefix of a key (see `Cache.match`).
 #[pyclass(frozen, module = "kern._pool")]
@@ -673,6 +680,8 @@ impl From<CacheStats> for Stats {
 #[pyclass(module = "kern._pool")]
 pub struct Cache {
     inner: CoreCache,
+    /// What `make_room` returns when the room is there already (a frozen value, shared).
+    no_room_needed: Py<Room>,
 }
 
 #[pymethods]
@@ -701,8 +710,19 @@ impl Cache {
             host_bytes: opt(host_bytes, "host_bytes", 0)?,
             min_slots: min_slots.map_or(Ok(2), |v| int_arg(v, "min_slots"))?,
         };
+        let inner = guarded(|| CoreCache::new(cfg))?;
+        let no_room_needed = Py::new(
+            page_tokens.py(),
+            Room {
+                evicted: Vec::new(),
+                pages_freed: 0,
+                slots_freed: 0,
+                fits: true,
+            },
+        )?;
         Ok(Cache {
-            inner: guarded(|| CoreCache::new(cfg))?,
+            inner,
+            no_room_needed,
         })
     }
 
@@ -778,20 +798,16 @@ impl Cache {
         pages: Option<&Bound<'_, PyAny>>,
         slots: Option<&Bound<'_, PyAny>>,
         park: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Room> {
+    ) -> PyResult<Py<Room>> {
         let pages: u64 = pages.map_or(Ok(0), |v| int_arg(v, "pages"))?;
         let slots: u64 = slots.map_or(Ok(0), |v| int_arg(v, "slots"))?;
         let park = park.map_or(Ok(true), |v| bool_arg(v, "park"))?;
-        let inner = &mut self.inner;
-        if inner.pool().fits(pages, slots) {
-            return Ok(Room {
-                evicted: Vec::new(),
-                pages_freed: 0,
-                slots_freed: 0,
-                fits: true,
-            });
+        if self.inner.pool().fits(pages, slots) {
+            return Ok(self.no_room_needed.clone_ref(py));
         }
-        Ok(detached(py, || Ok(inner.make_room(pages, slots, park)))?.into())
+        let inner = &mut self.inner;
+        let room: Room = detached(py, || Ok(inner.make_room(pages, slots, park)))?.into();
+        Py::new(py, room)
     }
 
     fn wake(&mut self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<Woken> {

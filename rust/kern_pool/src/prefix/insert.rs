@@ -9,6 +9,7 @@
 //! not marked.
 
 use super::{Node, Prefix, Tier, Walk, NONE, ROOT};
+use crate::bits::Bits;
 use crate::error::{KernError, Result};
 use crate::host::Host;
 use crate::ids::SlotId;
@@ -153,56 +154,69 @@ impl Prefix {
     /// once.
     fn check_pages(&mut self, pool: &Pool, w: &Walk, total: usize, pages: &[u32]) -> Result<()> {
         let pt = self.page_tokens as usize;
-        let mut at = 0; // index in w.path of the node that may hold page g
+        let mut own = Own {
+            pool,
+            owned: &self.owned_pages,
+            seen: &mut self.scratch,
+            marked: &mut self.marked,
+        };
         let mut result = Ok(());
-        let mut seen = 0;
-        for (g, &p) in pages.iter().enumerate() {
-            let tree = loop {
-                let Some(&i) = w.path.get(at) else {
-                    break None;
-                };
-                let n = &self.nodes[i as usize];
-                let base = n.start as usize / pt;
-                if g < base + n.pages.len() {
-                    break (n.tier == Tier::Resident).then(|| n.pages[g - base]);
-                }
-                at += 1;
-            };
-            if tree == Some(p) {
-                if w.hit < total.min((g + 1) * pt) {
-                    result = Err(KernError::SharedPageExtended { page: p, index: g });
-                    break;
-                }
-                continue;
-            }
-            result = if !pool.is_allocated(Kind::Pages, p) {
-                Err(KernError::NotAllocated {
-                    what: "page",
-                    id: p,
-                })
-            } else if self.owned_pages.get(p) {
-                Err(KernError::OwnedByCache {
-                    what: "page",
-                    id: p,
-                })
-            } else if self.scratch.set(p) {
-                Err(KernError::Repeated {
-                    what: "page",
-                    id: p,
-                })
+        let mut g = 0; // pages checked
+        for &i in &w.path {
+            let n = &self.nodes[i as usize];
+            let base = n.start as usize / pt;
+            let hi = (base + n.pages.len()).min(pages.len());
+            debug_assert_eq!(base, g);
+            let tree: &[u32] = if n.tier == Tier::Resident {
+                &n.pages
             } else {
-                Ok(())
+                &[]
             };
-            seen = g + 1;
+            // A hit's pages come back whole: compare the run at once, page by page only if
+            // it differs somewhere.
+            let run = hi - base;
+            let same = tree.len() >= run && pages[base..hi] == tree[..run];
+            while g < hi {
+                let p = pages[g];
+                if same || tree.get(g - base) == Some(&p) {
+                    if w.hit < total.min((g + 1) * pt) {
+                        result = Err(KernError::SharedPageExtended { page: p, index: g });
+                        break;
+                    }
+                    if same {
+                        // The condition only grows with g: the last page decides the run.
+                        let last = hi - 1;
+                        if w.hit >= total.min((last + 1) * pt) {
+                            g = hi;
+                            break;
+                        }
+                    }
+                } else {
+                    result = own.check(p);
+                    if result.is_err() {
+                        break;
+                    }
+                }
+                g += 1;
+            }
             if result.is_err() {
                 break;
             }
         }
-        for &p in &pages[..seen] {
-            if p < self.scratch.len() {
-                self.scratch.clear(p);
+        if result.is_ok() {
+            while g < pages.len() {
+                result = own.check(pages[g]);
+                if result.is_err() {
+                    break;
+                }
+                g += 1;
             }
         }
+        // Clear the marks: only the caller's own pages were marked.
+        for &p in own.marked.iter() {
+            own.seen.clear(p);
+        }
+        own.marked.clear();
         result
     }
 
@@ -310,5 +324,39 @@ impl Prefix {
         self.add_child(parent, leaf);
         self.relink(leaf);
         leaf
+    }
+}
+
+/// The check of a page the caller says is its own, over the books it reads and marks.
+struct Own<'a> {
+    pool: &'a Pool,
+    owned: &'a Bits,
+    seen: &'a mut Bits,
+    marked: &'a mut Vec<u32>,
+}
+
+impl Own<'_> {
+    /// Allocated, not the tree's, not named before in this call.
+    #[inline]
+    fn check(&mut self, p: u32) -> Result<()> {
+        if !self.pool.is_allocated(Kind::Pages, p) {
+            Err(KernError::NotAllocated {
+                what: "page",
+                id: p,
+            })
+        } else if self.owned.get(p) {
+            Err(KernError::OwnedByCache {
+                what: "page",
+                id: p,
+            })
+        } else if self.seen.set(p) {
+            Err(KernError::Repeated {
+                what: "page",
+                id: p,
+            })
+        } else {
+            self.marked.push(p);
+            Ok(())
+        }
     }
 }

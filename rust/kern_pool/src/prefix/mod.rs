@@ -53,6 +53,8 @@ use crate::plan::EntryKey;
 const ROOT: u32 = 0;
 /// No node (end of an index chain).
 const NONE: u32 = u32::MAX;
+/// Up to this many children, a lookup compares first pages instead of hashing one.
+const SCAN_KIDS: usize = 4;
 
 /// Order of eviction candidates: coldest first, and on a tie the deeper entry first (a path
 /// touched together goes leaf first). The index only makes the key unique.
@@ -246,8 +248,10 @@ pub struct Prefix {
     clock: u64,
     owned_pages: Bits,
     owned_slots: Bits,
-    /// The caller's pages seen so far in one insert (the repeat check); clear between calls.
+    /// The caller's pages seen so far in one insert (the repeat check), and the list of them
+    /// to clear again; both empty between calls.
     scratch: Bits,
+    marked: Vec<u32>,
     stats: PrefixStats,
     record_paths: bool,
 }
@@ -271,6 +275,7 @@ impl Prefix {
             owned_pages: Bits::new(num_pages),
             owned_slots: Bits::new(num_slots),
             scratch: Bits::new(num_pages),
+            marked: Vec::new(),
             stats: PrefixStats::default(),
             record_paths: false,
         })
@@ -468,7 +473,16 @@ impl Prefix {
     }
 
     /// The child of `parent` of a page or more whose first page is `page`.
+    #[inline]
     fn find_full(&self, parent: u32, page: &[u32]) -> Option<u32> {
+        let kids = &self.nodes[parent as usize].kids;
+        if kids.len() <= SCAN_KIDS {
+            // A conversation's path is mostly single children: comparing beats hashing.
+            return kids.iter().copied().find(|&c| {
+                let t = &self.nodes[c as usize].tokens;
+                t.len() >= page.len() && t[0] == page[0] && t[..page.len()] == *page
+            });
+        }
         let mut c = *self.index.get(&page_key(parent, page))?;
         while c != NONE {
             let n = &self.nodes[c as usize];
