@@ -352,7 +352,9 @@ def main(argv: list[str] | None = None) -> None:
         lo, hi = sizes[0], sizes[-1]
         for pt in pts:
             growth = per_request[(hi, pt, "kern")] / per_request[(lo, pt, "kern")]
-            print(f"page {pt}: kern's per-request cost at {hi:,} / at {lo:,} requests: {growth:.2f}x")
+            print(
+                f"page {pt}: kern's per-request cost at {hi:,} / at {lo:,} requests: {growth:.2f}x"
+            )
 
 
 if __name__ == "__main__":
