@@ -146,7 +146,9 @@ def replay_kern(t: Trace, pt: int, budget: int) -> Run:
     for kind, r in t.ops:
         tokens = t.sessions[t.req_session[r]]
         if kind == START:
-            prompt = tokens[: t.req_prompt[r]]
+            # A fresh array, as a scheduler builds one (and as the Python tree gets fresh
+            # bytes): a view into the session's tokens would be cold in cache.
+            prompt = tokens[: t.req_prompt[r]].copy()
             t0 = clock()
             m = cache.match(prompt)
             t1 = clock()
@@ -165,7 +167,7 @@ def replay_kern(t: Trace, pt: int, budget: int) -> Run:
             node, block = state.pop(r)
             full_len = t.req_full[r]
             whole = full_len // pt * 4
-            key = tokens[: full_len // pt * pt]
+            key = tokens[: full_len // pt * pt].copy()
             t0 = clock()
             need = -(-full_len // pt) - len(block) // 4
             room = cache.make_room(need)

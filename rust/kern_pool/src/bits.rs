@@ -138,6 +138,35 @@ impl Bits {
         }
     }
 
+    /// Set (`on`) or clear the bits of `ids` (each `< len`), a word at a time for ids that come
+    /// in runs.
+    pub fn put_all(&mut self, ids: &[u32], on: bool) {
+        let (mut w, mut mask) = (u32::MAX, 0u64);
+        for &id in ids {
+            let wi = id / 64;
+            if wi != w {
+                if mask != 0 {
+                    self.put_word(w, mask, on);
+                }
+                (w, mask) = (wi, 0);
+            }
+            mask |= 1u64 << (id % 64);
+        }
+        if mask != 0 {
+            self.put_word(w, mask, on);
+        }
+    }
+
+    #[inline]
+    fn put_word(&mut self, w: u32, mask: u64, on: bool) {
+        let word = &mut self.words[w as usize];
+        if on {
+            *word |= mask;
+        } else {
+            *word &= !mask;
+        }
+    }
+
     /// Clear the bits of `ids`, all or nothing: `Err(i)` (nothing changed) names the first id
     /// that is out of range, clear already, or named twice. Consecutive ids in one word are
     /// checked and cleared together.

@@ -155,22 +155,74 @@ fn detached<T: Send>(
     }
 }
 
+/// Ids read from a Python buffer: borrowed in place when the buffer already is what the
+/// crate reads (contiguous, aligned, this machine's byte order), else copied.
+struct U32s {
+    buf: Option<PyUntypedBuffer>,
+    len: usize,
+    owned: Vec<u32>,
+}
+
+impl U32s {
+    fn owned(owned: Vec<u32>) -> Self {
+        U32s {
+            buf: None,
+            len: owned.len(),
+            owned,
+        }
+    }
+
+    fn as_slice(&self) -> &[u32] {
+        match &self.buf {
+            // SAFETY: `read_u32` borrows only a C-contiguous buffer of `len` u32s whose start
+            // is 4-aligned; the exporter keeps it alive and unmoved while `buf` holds the view.
+            // It is read only with the GIL held, so no Python code runs meanwhile (the stance of
+            // pyo3's `PyBuffer::as_slice`); walks that release the GIL read a copy.
+            Some(b) => unsafe { std::slice::from_raw_parts(b.buf_ptr() as *const u32, self.len) },
+            None => &self.owned,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
 /// Read a buffer of u32 without a Python object per id: a buffer of 4-byte unsigned ints
 /// (numpy uint32 in either byte order, `array('I')`), or `bytes`/`bytearray` holding
 /// little-endian u32. Anything else, a uint8 array included, is `NotU32`.
-fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
+fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<U32s> {
+    let native_little = cfg!(target_endian = "little");
+    let borrow =
+        |buf: PyUntypedBuffer, little: bool, len: usize| -> Result<U32s, PyUntypedBuffer> {
+            if little == native_little
+                && buf.is_c_contiguous()
+                && (buf.buf_ptr() as usize).is_multiple_of(4)
+            {
+                Ok(U32s {
+                    buf: Some(buf),
+                    len,
+                    owned: Vec::new(),
+                })
+            } else {
+                Err(buf)
+            }
+        };
     if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyByteArray>() {
         let buf = PyUntypedBuffer::get(obj)?;
-        if buf.len_bytes() % 4 != 0 {
+        let n = buf.len_bytes();
+        if n % 4 != 0 {
             return Err(NotU32::new_err(format!(
-                "{what}: {} bytes is not a whole number of uint32 ids",
-                buf.len_bytes()
+                "{what}: {n} bytes is not a whole number of uint32 ids"
             )));
         }
+        let buf = match borrow(buf, true, n / 4) {
+            Ok(ids) => return Ok(ids),
+            Err(buf) => buf,
+        };
         // SAFETY: bytes and bytearray are contiguous: `len_bytes` readable bytes at `buf_ptr`.
-        let raw =
-            unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
-        return Ok(decode(raw, true));
+        let raw = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, n) };
+        return Ok(U32s::owned(decode(raw, true)));
     }
     let kind = || {
         obj.get_type()
@@ -191,7 +243,7 @@ fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<
         _ => (b'?', b'?'),
     };
     let little = match order {
-        b'@' | b'=' => Some(cfg!(target_endian = "little")),
+        b'@' | b'=' => Some(native_little),
         b'<' => Some(true),
         b'>' | b'!' => Some(false),
         _ => None,
@@ -205,11 +257,16 @@ fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<
             buf.format().to_string_lossy()
         )));
     };
+    let n = buf.item_count();
+    let buf = match borrow(buf, little, n) {
+        Ok(ids) => return Ok(ids),
+        Err(buf) => buf,
+    };
     if buf.is_c_contiguous() {
         // SAFETY: the exporter keeps `len_bytes` readable bytes at `buf_ptr` while `buf` lives.
         let raw =
             unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
-        return Ok(decode(raw, little));
+        return Ok(U32s::owned(decode(raw, little)));
     }
     // A strided view: let Python make it contiguous, then read that.
     let copy = py
@@ -218,7 +275,7 @@ fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<
         .call1((obj,))?
         .call_method0("tobytes")?;
     let raw: Vec<u8> = copy.extract()?;
-    Ok(decode(&raw, little))
+    Ok(U32s::owned(decode(&raw, little)))
 }
 
 /// u32s from raw bytes in the given order: one copy when that is the machine's order.
@@ -752,9 +809,10 @@ impl Cache {
         let tokens = read_u32(py, tokens, "tokens")?;
         let inner = &mut self.inner;
         let m = if tokens.len() >= DETACH_TOKENS {
+            let tokens = tokens.as_slice().to_vec();
             detached(py, || Ok(inner.match_prefix(&tokens)))?
         } else {
-            guarded(|| Ok(inner.match_prefix(&tokens)))?
+            guarded(|| Ok(inner.match_prefix(tokens.as_slice())))?
         };
         Ok(m.into())
     }
@@ -776,11 +834,11 @@ impl Cache {
         let pages = read_u32(py, pages, "pages")?;
         let state = state.map(|s| int_arg(s, "state")).transpose()?.map(SlotId);
         let inner = &mut self.inner;
-        let call = || inner.insert(&tokens, &pages, state);
         let r = if tokens.len() >= DETACH_TOKENS {
-            detached(py, call)?
+            let (tokens, pages) = (tokens.as_slice().to_vec(), pages.as_slice().to_vec());
+            detached(py, || inner.insert(&tokens, &pages, state))?
         } else {
-            guarded(call)?
+            guarded(|| inner.insert(tokens.as_slice(), pages.as_slice(), state))?
         };
         Ok(Inserted {
             held: r.held,
@@ -829,7 +887,7 @@ impl Cache {
 
     fn free_pages(&mut self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let pages = read_u32(py, pages, "pages")?;
-        guarded(|| self.inner.free_pages(&pages))
+        guarded(|| self.inner.free_pages(pages.as_slice()))
     }
 
     fn alloc_slot(&mut self) -> PyResult<u32> {
@@ -853,7 +911,7 @@ impl Cache {
     /// Test-only: what `match` would return, changing nothing (no split, no refresh, no lock).
     fn _peek(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Match> {
         let tokens = read_u32(py, tokens, "tokens")?;
-        Ok(guarded(|| Ok(self.inner.peek(&tokens)))?.into())
+        Ok(guarded(|| Ok(self.inner.peek(tokens.as_slice())))?.into())
     }
 
     /// Test-only: record each evicted or woken entry's whole token path in its key.

@@ -5,6 +5,7 @@ use std::cmp::Reverse;
 use std::collections::HashSet;
 
 use super::{page_key, Lru, Prefix, Tier, NONE, ROOT};
+use crate::bits::Bits;
 use crate::error::{KernError, Result};
 use crate::host::Host;
 use crate::pool::{Kind, Pool};
@@ -14,7 +15,7 @@ impl Prefix {
     pub fn check_integrity(&self, pool: &Pool, host: Option<&Host>) -> Result<()> {
         let bad = |why: String| Err(KernError::Corrupt(why));
         let pt = self.page_tokens;
-        let mut seen_pages = HashSet::new();
+        let mut seen_pages = Bits::new(self.owned_pages.len());
         let mut seen_host = HashSet::new();
         let mut count = PrefixStats::default();
         let mut child_locks = vec![0u64; self.nodes.len()];
@@ -124,7 +125,7 @@ impl Prefix {
                     for &p in &n.pages {
                         if !pool.is_allocated(Kind::Pages, p)
                             || !self.owned_pages.get(p)
-                            || !seen_pages.insert(p)
+                            || seen_pages.set(p)
                         {
                             return bad(format!(
                                 "node {i}: page {p} unallocated, unowned or shared"

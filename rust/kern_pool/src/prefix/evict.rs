@@ -34,9 +34,7 @@ impl Prefix {
     /// stale ids until the caller replaces or removes it). Returns (pages, slots) freed.
     fn release_device(&mut self, i: u32, pool: &mut Pool) -> (u64, u64) {
         let n = &self.nodes[i as usize];
-        for &p in &n.pages {
-            self.owned_pages.clear(p);
-        }
+        self.owned_pages.put_all(&n.pages, false);
         // The tree's books say these are allocated; a failure here is corruption, not input.
         let freed = pool.free(Kind::Pages, &n.pages);
         debug_assert!(freed.is_ok(), "{freed:?}");
@@ -299,9 +297,7 @@ impl Prefix {
             });
             let freed = host.free(&n.pages, &old_state);
             debug_assert!(freed.is_ok(), "{freed:?}");
-            for &p in &dev {
-                self.owned_pages.set(p);
-            }
+            self.owned_pages.put_all(&dev, true);
             if let Some(s) = new_state {
                 self.owned_slots.set(s);
             }

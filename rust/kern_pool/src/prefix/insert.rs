@@ -257,9 +257,7 @@ impl Prefix {
         let old_states: Vec<u32> = n.snapshot.into_iter().collect();
         let freed = host.free(&n.pages, &old_states);
         debug_assert!(freed.is_ok(), "{freed:?}");
-        for &p in mine {
-            self.owned_pages.set(p);
-        }
+        self.owned_pages.put_all(mine, true);
         if let Some(s) = snapshot {
             self.owned_slots.set(s);
         }
@@ -292,9 +290,7 @@ impl Prefix {
         snapshot: Option<u32>,
     ) -> u32 {
         let start = self.nodes[parent as usize].end();
-        for &p in pages {
-            self.owned_pages.set(p);
-        }
+        self.owned_pages.put_all(pages, true);
         if let Some(s) = snapshot {
             self.owned_slots.set(s);
         }

@@ -738,7 +738,7 @@ impl Prefix {
             hit_len: hit,
             resident_len: 0,
             node: None,
-            pages: Vec::new(),
+            pages: Vec::with_capacity(self.pages_for(hit) as usize),
             state: None,
         };
         let mut resident = true;
