@@ -89,8 +89,17 @@ def test_a_hit_ending_mid_page_shares_the_page_and_refuses_extension_in_place(ca
     cache.unlock(m.node)
     assert cache._peek(u32([0, 1, 2, 3, 4, 5, 9])).hit_len == 7
     assert cache._peek(u32([0, 1, 2, 3, 4, 5, 5])).hit_len == 6
-    # A hit reads whole pages or a node that ends: [0..4] then 4 of [4, 5] is 4 tokens.
-    assert cache._peek(u32([0, 1, 2, 3, 4])).hit_len == 4
+    # A key that ends inside a page reads it; one that leaves a page mid-way does not.
+    assert cache._peek(u32([0, 1, 2, 3, 4])).hit_len == 5
+    assert cache._peek(u32([0, 1, 2, 3, 4, 7, 7])).hit_len == 4
+    cache.check_integrity()
+
+
+def test_the_same_short_prompt_again_hits(cache):
+    cached(cache, range(10))  # a prompt and its answer
+    m = cache.match(u32(range(7)))  # the same 7-token prompt: it ends inside the second page
+    assert (m.hit_len, m.resident_len, len(ids(m.pages))) == (7, 7, 2)
+    cache.unlock(m.node)
     cache.check_integrity()
 
 

@@ -32,7 +32,7 @@ PAGE_BYTES = 64
 
 # CI must see at least 200 examples of at least 50 steps. Hypothesis draws how many steps an
 # example runs (up to stateful_step_count), so ask for more of both and count what ran.
-EXAMPLES = int(os.environ.get("KERN_MODEL_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("KERN_MODEL_EXAMPLES", "400"))
 STEPS = 60
 MIN_LONG_EXAMPLES, LONG = 200, 50
 steps_run: list[int] = []
@@ -146,13 +146,22 @@ class Model:
                 read.append(k)
                 hit += pt
                 continue
-            partials = [
-                p
-                for p in self.pages
-                if p[0] == q[:hit] and len(p[1]) < pt and rest[: len(p[1])] == p[1]
-            ]
-            if partials:
-                best = max(partials, key=lambda p: len(p[1]))
+            here = [p for p in self.pages if p[0] == q[:hit]]
+            exact = [p for p in here if p[1] == rest]
+            # The key ends inside a page: resident before parked, then the one used last.
+            inside = [p for p in here if len(rest) < pt and len(p[1]) > len(rest)]
+            inside = [p for p in inside if p[1][: len(rest)] == rest]
+            shorter = [p for p in here if len(p[1]) < min(pt, len(rest) + 1)]
+            shorter = [p for p in shorter if rest[: len(p[1])] == p[1]]
+            if rest and exact:
+                read.append(exact[0])
+                hit += len(rest)
+            elif rest and inside:
+                best = max(inside, key=lambda p: (self.pages[p].tier == "R", self.pages[p].tick))
+                read.append(best)
+                hit += len(rest)
+            elif shorter:
+                best = max(shorter, key=lambda p: len(p[1]))
                 read.append(best)
                 hit += len(best[1])
             break
@@ -160,7 +169,7 @@ class Model:
         for k in read:
             if self.pages[k].tier != "R":
                 break
-            resident = self.end(k)
+            resident = min(self.end(k), hit)
         locked = list(read)
         if read and self.pages[read[-1]].tier == "P":
             keys = self.groups[self.pages[read[-1]].group].keys
@@ -168,7 +177,7 @@ class Model:
         state = None
         for k in read:
             path = k[0] + k[1]
-            if path in self.snaps:
+            if path in self.snaps and len(path) <= hit:
                 state = (len(path), self.snaps[path])
         return Lookup(hit, resident, read, locked, state)
 
@@ -344,10 +353,31 @@ class Model:
     def insert(self, tokens: tuple[int, ...], pages: list[int], slot: int | None) -> tuple:
         """Apply an insert; returns (held, woken, the caller's pages the tree freed)."""
         keys = self.keys_of(tokens)
-        held = self.lookup(tokens).hit
+        look = self.lookup(tokens)
+        held = look.hit
         gives = slot is not None
         woken = 0
         freed: list[int] = []
+        # The key ends inside a page the tree holds (read, not the key's own page).
+        inside = held == len(tokens) and look.read and look.read[-1] != keys[-1]
+        touched = list(keys)
+        if inside:
+            read = self.pages[look.read[-1]]
+            tree_last = read.tier == "R" and read.dev == pages[-1]
+            if gives and not tree_last:
+                inside = False  # the caller's copy of that page becomes a leaf with the state
+            else:
+                keys = keys[:-1]  # the last page is a duplicate of the one read
+                touched = keys + [look.read[-1]]
+                if not tree_last:
+                    freed.append(pages[-1])
+                if read.tier == "P":
+                    # A parked entry is one unit: read in part, none of it is taken.
+                    for k, page in zip(keys, pages, strict=False):
+                        if self.pages[k].group == read.group:
+                            freed.append(page)
+                    keys = [k for k in keys if self.pages[k].group != read.group]
+                    touched = touched[:-1] + self.groups[read.group].keys
         covered: dict[int, list[Key]] = {}
         for k in keys:
             p = self.pages.get(k)
@@ -372,7 +402,7 @@ class Model:
             else:
                 adopt.update(ks)
                 grp.keys = grp.keys[len(ks) :]
-        for k, page in zip(keys, pages, strict=True):
+        for k, page in zip(keys, pages, strict=False):
             p = self.pages.get(k)
             if k in adopt:
                 self.host.pop(p.host)
@@ -386,12 +416,12 @@ class Model:
         if gives:
             path = tuple(tokens)
             snap = self.snaps.get(path)
-            if snap is None:
-                self.snaps[path] = Snap("R", slot)
+            if inside or (snap is not None and snap.tier == "R"):
+                freed.append(-1 - slot)  # the slot, freed: held already, or nowhere to go
             else:
-                assert snap.tier == "R"
-                freed.append(-1 - slot)  # the slot, freed
-        self.touch(keys)
+                assert snap is None
+                self.snaps[path] = Snap("R", slot)
+        self.touch(touched)
         self.woken += woken
         return held, woken, freed
 
@@ -475,7 +505,16 @@ class CacheMachine(RuleBasedStateMachine):
         snapshot=st.booleans(),
     )
     def start(self, base, extra, snapshot):
-        tokens = tuple(base) + tuple(extra)
+        self.begin(tuple(base) + tuple(extra), snapshot)
+
+    @precondition(lambda self: 0 < len(self.requests) < 3)
+    @rule(i=st.integers(0, 2), snapshot=st.booleans())
+    def start_twin(self, i, snapshot):
+        """A second request for an open one's tokens: whichever finishes second finds them
+        cached (or parked meanwhile) and its own pages duplicates."""
+        self.begin(self.requests[i % len(self.requests)].tokens, snapshot)
+
+    def begin(self, tokens: tuple[int, ...], snapshot: bool) -> None:
         if not tokens:
             return
         cache, model, pt = self.cache, self.model, self.pt

@@ -12,11 +12,13 @@ What makes it fast, as Python trees go:
 - page ids in a free list (a Python list used as a stack).
 
 Semantics, the same as kern's (``docs/pool.md``): a match descends through the children it
-matches whole and stops in the one it matches in part at the last whole page, splitting it
-there; it refreshes and locks only that path. An insert walks the same way, splits where the
-key leaves the tree and hangs the rest as one new leaf; it refreshes the key's path and reports
-how many tokens the tree already held. Eviction takes the unlocked leaf used longest ago (ties:
-deeper first), whole, until the room asked for is there. One logical clock tick per operation.
+matches whole and stops in the one it matches in part, splitting it right after the last page
+it read (a whole page, or the page the key ends in); where the key ends inside the first page
+of several children it reads the one used last. It refreshes and locks only that path. An
+insert walks the same way, splits where the key leaves the tree and hangs the rest as one new
+leaf; it refreshes the key's path and reports how many tokens the tree already held. Eviction
+takes the unlocked leaf used longest ago (ties: deeper first), whole, until the room asked for
+is there. One logical clock tick per operation.
 """
 
 from __future__ import annotations
@@ -144,8 +146,8 @@ class Tree:
         return lo * u
 
     def _walk(self, key: bytes) -> tuple[Node, int, list[Node]]:
-        """Descend as far as `key` matches, splitting the node it leaves mid-way; returns the
-        deepest node, the bytes matched and the path."""
+        """Descend as far as `key` matches, splitting the node it stops in right after the last
+        page it read; returns the deepest node, the bytes matched and the path."""
         u = self.unit
         node, off, path = self.root, 0, []
         end = len(key)
@@ -158,11 +160,23 @@ class Tree:
                 path.append(c)
                 node, off = c, off + len(run)
                 continue
-            n = self._common_pages(run, key, off)
-            c = self._split(c, n)
+            if len(run) > end - off and run.startswith(key[off:]):
+                n = end - off  # the key ends inside `run`, which it reads to there
+            else:
+                n = self._common_pages(run, key, off)
+            top = -(-n // u) * u
+            c = self._split(c, top) if top < len(run) else c
             path.append(c)
-            node, off = c, off + n
-            break
+            return c, off + n, path
+        if 0 < end - off < u:
+            # The key ends inside a child's first page: read the one used last.
+            rest = key[off:]
+            inside = [c for c in node.children.values() if c.key.startswith(rest)]
+            if inside:
+                c = max(inside, key=lambda c: c.tick)
+                c = self._split(c, u) if len(c.key) > u else c
+                path.append(c)
+                return c, end, path
         return node, off, path
 
     def _touch(self, path: list[Node]) -> None:

@@ -70,7 +70,7 @@ impl Prefix {
             let clen = self.nodes[c as usize].tokens.len();
             let last = k + 1 == w.path.len();
             let cover = if last { w.cover } else { clen };
-            if cover < clen {
+            if cover < clen && cover.is_multiple_of(pt) {
                 // Matched in part: the head becomes its own node; the rest branches below it.
                 let top = self.split(c, cover);
                 self.take(
@@ -84,6 +84,55 @@ impl Prefix {
                 );
                 node = top;
                 pos += cover;
+                break;
+            }
+            if cover < clen {
+                // The key ends inside `c`, mid-page: the tree holds every token of it.
+                let s = cover / pt * pt;
+                let last = pages[pages.len() - 1];
+                let tree_last = {
+                    let n = &self.nodes[c as usize];
+                    n.tier == Tier::Resident && n.pages.get(s / pt) == Some(&last)
+                };
+                if snapshot.is_some() && !tree_last {
+                    // A snapshot needs a node that ends where the key does: a leaf of the key's
+                    // last partial page, in the caller's copy, after the last page boundary.
+                    if s > 0 {
+                        let top = self.split(c, s);
+                        self.take(
+                            top,
+                            pages,
+                            None,
+                            false,
+                            host.as_deref_mut(),
+                            &mut dups,
+                            &mut woken,
+                        );
+                        node = top;
+                    }
+                    pos += s;
+                    break;
+                }
+                if self.nodes[c as usize].tier == Tier::Resident {
+                    let at = cover.div_ceil(pt) * pt;
+                    let head = if at < clen { self.split(c, at) } else { c };
+                    self.take(
+                        head,
+                        pages,
+                        None,
+                        false,
+                        host.as_deref_mut(),
+                        &mut dups,
+                        &mut woken,
+                    );
+                    node = head;
+                } else {
+                    // A parked entry is one unit: the caller's pages are duplicates of it.
+                    let base = self.nodes[c as usize].start as usize / pt;
+                    dups.extend_from_slice(&pages[base..]);
+                    node = c;
+                }
+                pos = total;
                 break;
             }
             if last && pos + clen < total && !clen.is_multiple_of(pt) {
@@ -127,7 +176,8 @@ impl Prefix {
             node = self.new_leaf(node, &tokens[pos..], &pages[pos / pt..], snapshot.take());
         } else if let Some(s) = snapshot.take() {
             let n = &self.nodes[node as usize];
-            if node != ROOT && n.tier == Tier::Resident && n.snapshot.is_none() {
+            let ends_here = n.end() as usize == total;
+            if node != ROOT && ends_here && n.tier == Tier::Resident && n.snapshot.is_none() {
                 self.nodes[node as usize].snapshot = Some(s);
                 self.owned_slots.set(s);
                 self.stats.resident_states += 1;

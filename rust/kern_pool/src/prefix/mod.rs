@@ -7,13 +7,15 @@
 //!   token (a scan of a first-token bucket cost 6.9 us at 1,000 siblings). Children shorter
 //!   than a page (a prompt that ended mid-page, a state snapshot's exact length) sit in a short
 //!   list on their parent.
-//! - A match reads whole pages, or a node whole: it descends through children it matches whole
-//!   and stops in a child it matches in part at the last page boundary it matched, splitting
-//!   that child there. So the match's path is exactly what it read, and only that path is
-//!   refreshed and locked: exact LRU over what was matched. A hit ends mid-page only through a
-//!   node that ends there (the leaf a finished request left), and then shares that page.
-//!   Tried and dropped: hits that end mid-page inside any child. The child whose first tokens
-//!   matched was another conversation's entry; refreshing and locking it made LRU wrong.
+//! - A match reads whole pages, a node that ends mid-page whole, or the page the key itself
+//!   ends in: it descends through children it matches whole and stops in a child it matches
+//!   in part, splitting that child right after the last page it read. So the match's path is
+//!   exactly what it read, and only that path is refreshed and locked: exact LRU over what was
+//!   matched. A hit that ends mid-page shares that page (the caller copies it). Where the key
+//!   ends inside the first page of several children, it reads the resident one used last.
+//!   Tried and dropped: a hit that runs mid-page into a child the key then leaves. The child
+//!   whose first tokens matched was another conversation's entry (a template ending mid-page,
+//!   conversations under it); refreshing and locking it made LRU wrong, to save a few tokens.
 //! - A parked node is never split by a match: a match that reads part of one refreshes and
 //!   locks all of it, and a wake brings all of it back. (A split would create a parked entry
 //!   without a park, and the counters `parked - woken - dropped_parked` stop counting the
@@ -495,19 +497,42 @@ impl Prefix {
         None
     }
 
-    /// The longest child of `parent` shorter than a page whose tokens all start `rest`.
-    fn find_partial(&self, parent: u32, rest: &[u32]) -> Option<u32> {
-        let mut best: Option<(u32, usize)> = None;
-        for &c in &self.nodes[parent as usize].partials {
+    /// Where a key's last `rest` tokens (after `parent`) end: a child whose tokens are exactly
+    /// `rest`; else, when `rest` is shorter than a page, a child whose first page starts with
+    /// it (the key ends inside that page: resident before parked, then the one used last);
+    /// else the longest child shorter than a page that `rest` starts with. Returns the child
+    /// and how many tokens of it the key reads.
+    fn find_short(&self, parent: u32, rest: &[u32]) -> Option<(u32, usize)> {
+        let n = &self.nodes[parent as usize];
+        let mut prefix: Option<(u32, usize)> = None;
+        for &c in &n.partials {
             let t = &self.nodes[c as usize].tokens;
-            if t.len() <= rest.len()
-                && rest[..t.len()] == t[..]
-                && best.is_none_or(|(_, l)| t.len() > l)
-            {
-                best = Some((c, t.len()));
+            if t.len() <= rest.len() && rest[..t.len()] == t[..] {
+                if t.len() == rest.len() {
+                    return Some((c, t.len()));
+                }
+                if prefix.is_none_or(|(_, l)| t.len() > l) {
+                    prefix = Some((c, t.len()));
+                }
             }
         }
-        best.map(|(c, _)| c)
+        if rest.is_empty() || rest.len() >= self.page_tokens as usize {
+            return prefix;
+        }
+        let rank = |c: u32| {
+            let n = &self.nodes[c as usize];
+            (n.tier == Tier::Resident, n.stamp)
+        };
+        let inside = n
+            .kids
+            .iter()
+            .copied()
+            .filter(|&c| {
+                let t = &self.nodes[c as usize].tokens;
+                t.len() > rest.len() && t[..rest.len()] == *rest
+            })
+            .max_by_key(|&c| rank(c));
+        inside.map(|c| (c, rest.len())).or(prefix)
     }
 
     // ---- Structure.
@@ -716,14 +741,14 @@ impl Prefix {
                         node = c;
                         continue;
                     }
-                    // Matched in part: up to the last whole page it read.
-                    w.cover = l / pt * pt;
+                    // Matched in part: up to the last whole page it read, or to the key's end
+                    // inside a page.
+                    w.cover = if l == rest.len() { l } else { l / pt * pt };
                     w.hit += w.cover;
                     return w;
                 }
             }
-            if let Some(c) = self.find_partial(node, rest) {
-                let l = self.nodes[c as usize].tokens.len();
+            if let Some((c, l)) = self.find_short(node, rest) {
                 w.path.push(c);
                 w.cover = l;
                 w.hit += l;
@@ -763,16 +788,17 @@ impl Prefix {
         m
     }
 
-    /// Longest cached prefix of `tokens`, locked. Splits the node the hit ends inside (at the
-    /// last page boundary the hit read) unless it is parked, then refreshes and locks the
+    /// Longest cached prefix of `tokens`, locked. Splits the node the hit ends inside right
+    /// after the last page the hit read, unless it is parked, then refreshes and locks the
     /// hit's path only: release the lock with `unlock(m.node)`.
     pub fn match_prefix(&mut self, tokens: &[u32]) -> Match {
         let w = self.walk(tokens);
         let mut path = w.path;
         if let Some(last) = path.last_mut() {
             let n = &self.nodes[*last as usize];
-            if w.cover < n.tokens.len() && n.tier == Tier::Resident {
-                *last = self.split(*last, w.cover);
+            let at = w.cover.div_ceil(self.page_tokens as usize) * self.page_tokens as usize;
+            if at < n.tokens.len() && n.tier == Tier::Resident {
+                *last = self.split(*last, at);
             }
         }
         if let Some(&last) = path.last() {

@@ -55,10 +55,12 @@ fn divergence_mid_page_branches_at_the_page_boundary() {
     let mut c = cache(64, 0, false);
     put(&mut c, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
     assert_eq!(put(&mut c, &[1, 2, 3, 4, 5, 6, 0, 0]), 4);
-    assert_eq!(hit(&c, &[1, 2, 3, 4, 5, 6, 7, 8, 9]), (8, 8));
+    assert_eq!(hit(&c, &[1, 2, 3, 4, 5, 6, 7, 8, 9]), (9, 9)); // ends inside [9, 10]
     assert_eq!(hit(&c, &[1, 2, 3, 4, 5, 6, 0, 0, 1]), (8, 8));
-    // A hit reads whole pages or whole nodes: [5, 6, 9] ends inside both second pages.
-    assert_eq!(hit(&c, &[1, 2, 3, 4, 5, 9]), (4, 4));
+    // A key that leaves a page mid-way reads none of it: [5, 9] is in neither second page.
+    assert_eq!(hit(&c, &[1, 2, 3, 4, 5, 9, 9]), (4, 4));
+    // A key that ends inside a page reads it.
+    assert_eq!(hit(&c, &[1, 2, 3, 4, 5]), (5, 5));
     // Shared first page, two second pages, a tail page: 4 pages held.
     assert_eq!(c.stats().tree.resident_pages, 4);
     assert_eq!(c.stats().device.pages_used, 4);
@@ -82,12 +84,13 @@ fn snapshot_inside_a_full_page_gets_its_own_partial_leaf() {
     put(&mut c, &[1, 2, 3, 4, 5, 6, 7, 8]);
     let slot = c.alloc_slot().unwrap();
     let page = c.alloc_pages(1).unwrap()[0].0;
+    // The key ends inside the second page: it reads it, and copies it before writing.
     let m = c.match_prefix(&[1, 2, 3, 4, 5, 6]);
-    assert_eq!(m.hit_len, 4);
+    assert_eq!((m.hit_len, m.pages.len()), (6, 2));
     let pages = [m.pages[0].0, page];
     let ins = c.insert(&[1, 2, 3, 4, 5, 6], &pages, Some(slot)).unwrap();
     c.unlock(m.node.unwrap()).unwrap();
-    assert_eq!(ins.held, 4);
+    assert_eq!(ins.held, 6);
     let m = c.peek(&[1, 2, 3, 4, 5, 6, 9]);
     assert_eq!((m.hit_len, m.state.unwrap().len), (6, 6));
     assert_eq!(m.state.unwrap().slot, Some(slot));
@@ -105,7 +108,7 @@ fn coldest_goes_first_and_a_path_goes_leaf_first() {
     put(&mut c, &[1, 1, 1, 1, 2, 2, 2, 2]);
     put(&mut c, &[1, 1, 1, 1, 3, 3, 3, 3]);
     put(&mut c, &[5, 5, 5, 5]);
-    let m = c.match_prefix(&[1, 1, 1, 1, 2]); // reads [1..] only
+    let m = c.match_prefix(&[1, 1, 1, 1, 9]); // reads [1..] only
     c.unlock(m.node.unwrap()).unwrap();
     assert_eq!(
         evict_all_order(&mut c),
@@ -463,6 +466,44 @@ fn insert_errors_change_nothing() {
     let slot_err = c.insert(&[1], &[mine[0]], Some(SlotId(0)));
     assert!(matches!(slot_err, Err(KernError::NotAllocated { .. })));
     c.free_pages(&mine).unwrap();
+    c.check_integrity().unwrap();
+}
+
+#[test]
+fn a_key_ending_inside_a_page_reads_it_and_no_more() {
+    let mut c = cache(64, 0, false);
+    put(&mut c, &[1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]);
+    put(&mut c, &[5, 5, 5, 5, 6, 6]); // a leaf ending mid-page
+                                      // The same short prompt again: it ends inside the first page.
+    let m = c.match_prefix(&[1, 1]);
+    assert_eq!((m.hit_len, m.pages.len()), (2, 1));
+    // Only that page was read: it is locked and refreshed, the pages after it are not.
+    let room = c.make_room(c.pool().num_pages().into(), 0, false);
+    let left: Vec<u32> = room
+        .evicted
+        .iter()
+        .map(|e| match e {
+            Evicted::Dropped { key, .. } => key.end,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(left, vec![12, 6]);
+    assert_eq!(hit(&c, &[1, 1, 1, 1, 2]), (4, 4));
+    c.unlock(m.node.unwrap()).unwrap();
+    // Several children start with the key's last tokens: it reads the one used last.
+    put(&mut c, &[7, 7, 1, 1]);
+    put(&mut c, &[7, 7, 2, 2]);
+    put(&mut c, &[7, 7, 3, 3]);
+    let used = c.match_prefix(&[7, 7, 2, 2, 9]);
+    c.unlock(used.node.unwrap()).unwrap();
+    let m = c.match_prefix(&[7, 7]);
+    assert_eq!(m.node, used.node);
+    c.unlock(m.node.unwrap()).unwrap();
+    // Inserting a key the tree holds inside a page frees the caller's copy of it.
+    let mine = c.alloc_pages(1).unwrap()[0].0;
+    let ins = c.insert(&[7, 7, 3], &[mine], None).unwrap();
+    assert_eq!(ins.held, 3);
+    assert!(c.free_pages(&[mine]).is_err());
     c.check_integrity().unwrap();
 }
 
