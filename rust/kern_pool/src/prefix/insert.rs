@@ -8,7 +8,7 @@
 //! scratch bitset; pages the tree already holds at their place are compared with the tree's,
 //! not marked.
 
-use super::{Node, Prefix, Tier, Walk, NONE, ROOT};
+use super::{Node, Prefix, Tier, Walk, ROOT};
 use crate::bits::Bits;
 use crate::error::{KernError, Result};
 use crate::host::Host;
@@ -347,26 +347,14 @@ impl Prefix {
         self.stats.num_nodes += 1;
         self.stats.resident_pages += pages.len() as u64;
         self.stats.resident_states += u64::from(snapshot.is_some());
-        let leaf = self.alloc_node(Node {
-            generation: 0,
-            live: true,
+        let leaf = self.alloc_node(Node::new(
             parent,
             start,
-            tokens: tokens.to_vec(),
-            pages: pages.to_vec(),
+            tokens.to_vec(),
+            pages.to_vec(),
             snapshot,
-            tier: Tier::Resident,
-            kids: Vec::new(),
-            pos: 0,
-            partials: Vec::new(),
-            num_resident_children: 0,
-            lock: 0,
-            own_lock: 0,
-            stamp: 0, // stamped with its path when the insert ends
-            lru: None,
-            key: 0,
-            next: NONE,
-        });
+            Tier::Resident,
+        ));
         self.add_child(parent, leaf);
         self.relink(leaf);
         leaf

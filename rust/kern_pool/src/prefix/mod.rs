@@ -74,57 +74,71 @@ enum Lru {
     Parked,
 }
 
+/// Fields in the order a walk reads them: the first cache line holds what a step down needs.
 #[derive(Clone, Debug)]
+#[repr(C)]
 struct Node {
-    generation: u32,
-    live: bool,
+    tokens: Vec<u32>,
+    /// Every child, in no order; `pos` is a child's place here.
+    kids: Vec<u32>,
     parent: u32,
     /// Path length where this node's tokens begin; always a multiple of page_tokens.
     start: u32,
-    tokens: Vec<u32>,
+    stamp: u64,
     /// Device page ids when resident, host page ids when parked.
     pages: Vec<u32>,
-    /// A state snapshot taken at exactly `start + tokens.len()`, in the node's tier.
-    snapshot: Option<u32>,
-    tier: Tier,
-    /// Every child, in no order; `pos` is a child's place here.
-    kids: Vec<u32>,
-    pos: u32,
-    /// The children shorter than a page (not in the index).
-    partials: Vec<u32>,
-    num_resident_children: u32,
     /// Locks on this node and on its descendants: what keeps it from eviction.
     lock: u32,
     /// Locks taken on this node's own handle: what `unlock` may release.
     own_lock: u32,
-    stamp: u64,
-    lru: Option<(Lru, LruKey)>,
+    num_resident_children: u32,
+    /// Children shorter than a page (not in the index).
+    num_partial: u32,
+    pos: u32,
+    generation: u32,
     /// Index key (a hash of parent and first page) and the next node with the same key.
     key: u64,
     next: u32,
+    /// A state snapshot taken at exactly `start + tokens.len()`, in the node's tier.
+    snapshot: Option<u32>,
+    tier: Tier,
+    /// The LRU set the node is in (its key there is `(stamp, Reverse(end), index)`).
+    lru: Option<Lru>,
+    live: bool,
 }
 
 impl Node {
     fn root() -> Self {
+        Node::new(ROOT, 0, Vec::new(), Vec::new(), None, Tier::Resident)
+    }
+
+    fn new(
+        parent: u32,
+        start: u32,
+        tokens: Vec<u32>,
+        pages: Vec<u32>,
+        snapshot: Option<u32>,
+        tier: Tier,
+    ) -> Self {
         Node {
-            generation: 0,
-            live: true,
-            parent: ROOT,
-            start: 0,
-            tokens: Vec::new(),
-            pages: Vec::new(),
-            snapshot: None,
-            tier: Tier::Resident,
+            tokens,
             kids: Vec::new(),
-            pos: 0,
-            partials: Vec::new(),
-            num_resident_children: 0,
+            parent,
+            start,
+            stamp: 0,
+            pages,
             lock: 0,
             own_lock: 0,
-            stamp: 0,
-            lru: None,
+            num_resident_children: 0,
+            num_partial: 0,
+            pos: 0,
+            generation: 0,
             key: 0,
             next: NONE,
+            snapshot,
+            tier,
+            lru: None,
+            live: true,
         }
     }
 
@@ -356,8 +370,16 @@ impl Prefix {
 
     // ---- LRU bookkeeping: every change to tier, lock, children or stamp goes through here.
 
+    fn lru_key(&self, i: u32) -> LruKey {
+        let n = &self.nodes[i as usize];
+        (n.stamp, Reverse(n.end()), i)
+    }
+
+    /// Take `i` out of its LRU set (its stamp and end are what they were when it went in: every
+    /// change to them unlinks first).
     fn unlink(&mut self, i: u32) {
-        if let Some((set, key)) = self.nodes[i as usize].lru.take() {
+        if let Some(set) = self.nodes[i as usize].lru.take() {
+            let key = self.lru_key(i);
             match set {
                 Lru::Resident => self.resident_lru.remove(&key),
                 Lru::Parked => self.parked_lru.remove(&key),
@@ -377,16 +399,15 @@ impl Prefix {
         if i == ROOT {
             return;
         }
-        let n = &self.nodes[i as usize];
-        let Some(set) = Self::lru_set(n) else {
+        let Some(set) = Self::lru_set(&self.nodes[i as usize]) else {
             return;
         };
-        let key = (n.stamp, Reverse(n.end()), i);
+        let key = self.lru_key(i);
         match set {
             Lru::Resident => self.resident_lru.insert(key),
             Lru::Parked => self.parked_lru.insert(key),
         };
-        self.nodes[i as usize].lru = Some((set, key));
+        self.nodes[i as usize].lru = Some(set);
     }
 
     fn update(&mut self, i: u32, f: impl FnOnce(&mut Node)) {
@@ -504,35 +525,31 @@ impl Prefix {
     /// and how many tokens of it the key reads.
     fn find_short(&self, parent: u32, rest: &[u32]) -> Option<(u32, usize)> {
         let n = &self.nodes[parent as usize];
+        let pt = self.page_tokens as usize;
+        let short = !rest.is_empty() && rest.len() < pt;
+        if n.num_partial == 0 && !short {
+            return None;
+        }
         let mut prefix: Option<(u32, usize)> = None;
-        for &c in &n.partials {
-            let t = &self.nodes[c as usize].tokens;
-            if t.len() <= rest.len() && rest[..t.len()] == t[..] {
+        let mut inside: Option<(u32, (bool, u64))> = None;
+        for &c in &n.kids {
+            let cn = &self.nodes[c as usize];
+            let t = &cn.tokens;
+            if t.len() < pt && t.len() <= rest.len() && rest[..t.len()] == t[..] {
                 if t.len() == rest.len() {
                     return Some((c, t.len()));
                 }
                 if prefix.is_none_or(|(_, l)| t.len() > l) {
                     prefix = Some((c, t.len()));
                 }
+            } else if short && t.len() > rest.len() && t[..rest.len()] == *rest {
+                let rank = (cn.tier == Tier::Resident, cn.stamp);
+                if inside.is_none_or(|(_, r)| rank > r) {
+                    inside = Some((c, rank));
+                }
             }
         }
-        if rest.is_empty() || rest.len() >= self.page_tokens as usize {
-            return prefix;
-        }
-        let rank = |c: u32| {
-            let n = &self.nodes[c as usize];
-            (n.tier == Tier::Resident, n.stamp)
-        };
-        let inside = n
-            .kids
-            .iter()
-            .copied()
-            .filter(|&c| {
-                let t = &self.nodes[c as usize].tokens;
-                t.len() > rest.len() && t[..rest.len()] == *rest
-            })
-            .max_by_key(|&c| rank(c));
-        inside.map(|c| (c, rest.len())).or(prefix)
+        inside.map(|(c, _)| (c, rest.len())).or(prefix)
     }
 
     // ---- Structure.
@@ -566,9 +583,7 @@ impl Prefix {
         }
         self.update(parent, |p| {
             p.kids.push(child);
-            if !full {
-                p.partials.push(child);
-            }
+            p.num_partial += u32::from(!full);
             p.num_resident_children += u32::from(resident);
         });
     }
@@ -589,9 +604,7 @@ impl Prefix {
         let p = &mut self.nodes[parent as usize];
         p.kids.swap_remove(pos);
         let moved = p.kids.get(pos).copied();
-        if !full {
-            p.partials.retain(|&c| c != child);
-        }
+        p.num_partial -= u32::from(!full);
         p.num_resident_children -= u32::from(resident);
         if let Some(m) = moved {
             self.nodes[m as usize].pos = pos as u32;
@@ -612,26 +625,12 @@ impl Prefix {
         let tail_pages = n.pages.split_off(at / pt);
         let head_tokens = std::mem::replace(&mut n.tokens, tail_tokens);
         let head_pages = std::mem::replace(&mut n.pages, tail_pages);
-        let top = Node {
-            generation: 0,
-            live: true,
-            parent: n.parent,
-            start: n.start,
-            tokens: head_tokens,
-            pages: head_pages,
-            snapshot: None,
-            tier: n.tier,
-            kids: vec![c],
-            pos: n.pos,
-            partials: Vec::new(),
-            num_resident_children: u32::from(n.tier == Tier::Resident),
-            lock: n.lock,
-            own_lock: 0,
-            stamp: n.stamp,
-            lru: None,
-            key: 0,
-            next: NONE,
-        };
+        let mut top = Node::new(n.parent, n.start, head_tokens, head_pages, None, n.tier);
+        top.kids = vec![c];
+        top.pos = n.pos;
+        top.num_resident_children = u32::from(n.tier == Tier::Resident);
+        top.lock = n.lock;
+        top.stamp = n.stamp;
         let parent = n.parent;
         let pos = n.pos;
         n.start += at as u32;
@@ -644,7 +643,7 @@ impl Prefix {
         if self.nodes[c as usize].tokens.len() >= pt {
             self.index_insert(c);
         } else {
-            self.nodes[top as usize].partials.push(c);
+            self.nodes[top as usize].num_partial += 1;
         }
         self.stats.num_nodes += 1;
         self.relink(c);
@@ -663,7 +662,7 @@ impl Prefix {
         n.tokens = Vec::new();
         n.pages = Vec::new();
         n.kids = Vec::new();
-        n.partials = Vec::new();
+        n.num_partial = 0;
         self.free_nodes.push(i);
         self.stats.num_nodes -= 1;
     }
