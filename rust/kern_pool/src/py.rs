@@ -195,6 +195,10 @@ fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<U32s
     let native_little = cfg!(target_endian = "little");
     let borrow =
         |buf: PyUntypedBuffer, little: bool, len: usize| -> Result<U32s, PyUntypedBuffer> {
+            if len == 0 || buf.buf_ptr().is_null() {
+                // An empty buffer may have no memory at all: never make a slice of it.
+                return Ok(U32s::owned(Vec::new()));
+            }
             if little == native_little
                 && buf.is_c_contiguous()
                 && (buf.buf_ptr() as usize).is_multiple_of(4)
