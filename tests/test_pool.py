@@ -68,6 +68,10 @@ def test_buffers_of_every_kind_are_read(cache):
     assert cache._peek(u32(range(20))[::2]).hit_len == 0
     assert cache._peek(u32([0, 0, 1, 0, 2, 0, 3, 0])[::2]).hit_len == 4
     assert cache._peek(np.asarray(range(40), dtype=">u4")[::2]).hit_len == 0
+    # Empty buffers of every kind (some have no memory behind them at all).
+    for empty in (u32([]), b"", bytearray(), array.array("I"), u32(range(4))[4:]):
+        assert cache._peek(empty).hit_len == 0
+    assert cache.insert(u32([]), b"").held == 0
 
 
 def test_a_hit_ending_mid_page_shares_the_page_and_refuses_extension_in_place(cache):
