@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from scheduler_harness import Harness, load
+from scheduler_harness import Harness, drop_cache, load
 
 from kern.scheduler import LimitError
 from kern.tiny import default_model_path
@@ -47,7 +47,7 @@ def qwen3_5(tiny_dir):
 
 def fresh(engine, **limits) -> Harness:
     """A harness over ``engine`` with its cache emptied (engines are shared per module)."""
-    engine.cache.make_room(1 << 40, slots=1 << 20, park=False)
+    drop_cache(engine.cache)
     h = Harness(engine, **limits)
     return h
 
@@ -162,6 +162,13 @@ def test_slot_growth_from_two_and_the_request_end_snapshot(qwen3_5):
     h.assert_identical(nxt)
     # The snapshot sits after the last computed token: all but the last answer token.
     assert nxt.cached_tokens == len(first.prompt_ids) + len(h.answer(first)) - 1
+    assert nxt.cached_tokens % PT  # the snapshot ends mid-page: the next turn is a sibling
+    # The same next turn again resumes from the first turn's snapshot, on the short leaf the
+    # longer sibling runs past (the longer one has its snapshot only at its own end).
+    again = h.submit(turn, 6, ignore_eos=True)
+    h.run()
+    h.assert_identical(again)
+    assert again.cached_tokens == nxt.cached_tokens
     h.assert_idle_and_clean()
 
 

@@ -4,15 +4,21 @@ Ids cross as buffers: pass token ids and page ids as numpy uint32 arrays, ``arra
 bytes; page lists come back as ``bytes`` of little-endian uint32 (``np.frombuffer(b, np.uint32)``
 views them without a copy).
 
-Contract with the caller (the scheduler):
+Contract with the caller (the scheduler), one call per operation:
 
-- ``match`` touches the LRU order of the hit's path but never splits a node. The pages it
-  returns stay valid only while the hit's node is locked.
+- ``match(tokens)`` returns the longest cached prefix and **locks** it: call ``unlock(m.node)``
+  once when done (``m.node`` is None without a hit). It refreshes exactly the path it read and
+  splits the node it stopped in right after the last page it read (never a parked one). The
+  pages it returns stay valid while that lock is held.
 - A hit that ends mid-page shares that page: copy it into a page of your own before writing
   past the hit (``insert`` refuses a shared page extended in place).
-- ``make_room`` frees device pages at once in the books: land each returned plan (device ->
-  host copies) before allocating again. ``wake`` returns host -> device copies to land before
-  the woken pages are read.
+- ``insert(tokens, pages, state)`` leaves every page passed (and the state slot) the tree's or
+  free: it frees your duplicates itself. Pages you keep reading after it must be re-read from a
+  ``match`` of the same tokens.
+- ``make_room(pages, slots)`` evicts until that many pages and slots can be allocated together
+  (a no-op when they fit) and frees device pages at once in the books: land each park plan in
+  ``room.evicted`` (device -> host copies) before allocating again. ``wake`` returns
+  host -> device copies to land before the woken pages are read.
 - Every error is raised before anything changes.
 """
 

@@ -327,12 +327,14 @@ class Scheduler:
 
     # --- memory ---------------------------------------------------------------------------
 
-    def _make_room(self, pages: int, slots: int = 0) -> None:
-        """Evict until ``pages`` pages and ``slots`` slots are free (as far as the tree can
-        go) and land what was parked, before anything is allocated again."""
+    def _make_room(self, pages: int, slots: int = 0) -> bool:
+        """Evict until ``pages`` pages and ``slots`` slots can be allocated together (as far
+        as the tree can go) and land what was parked, before anything is allocated again.
+        True when they can."""
         m = self.metrics
         plans = []
-        for ev in self.cache.make_room(pages, slots=slots):
+        room = self.cache.make_room(pages, slots=slots)
+        for ev in room.evicted:
             match ev:
                 case Evicted.Parked(_, plan, dropped):
                     m.parked.inc()
@@ -345,25 +347,19 @@ class Scheduler:
                     else:
                         m.dropped_resident.inc()
         self.runner.park(plans)
+        return room.fits
 
     def _alloc_pages(self, n: int) -> list[int] | None:
         if n <= 0:
             return []
-        if self.cache.pages_free < n:
-            self._make_room(n)
-            if self.cache.pages_free < n:
-                return None
+        if not self._make_room(n):
+            return None
         return _ids(self.cache.alloc_pages(n))
 
     def _alloc_slot(self) -> int | None:
-        try:
-            return self.cache.alloc_slot()
-        except PoolFull:
-            self._make_room(0, slots=1)
-        try:
-            return self.cache.alloc_slot()
-        except PoolFull:
+        if not self._make_room(0, slots=1):
             return None
+        return self.cache.alloc_slot()
 
     def _wake(self, node: int, num_pages: int) -> bool:
         """Bring the parked part of ``node``'s path back (locked by the caller); it spans
@@ -393,12 +389,13 @@ class Scheduler:
         slot = req.slot
         if n > 0:
             state = slot if (snapshot and slot is not None) else None
+            # The tree takes what it lacks and frees the rest: the request's duplicate pages,
+            # and the slot when it already holds a snapshot at this length.
             ins = cache.insert(_u32(req.tokens[:n]), _u32(keep), state)
-            if ins.duplicates:
-                cache.free_pages(ins.duplicates)
+            if ins.woken:
+                self.metrics.woken.inc(ins.woken)
             if state is not None:
-                # The tree took the working slot as the snapshot, unless it had one already.
-                slot = ins.state_duplicate
+                slot = None
         elif keep:
             cache.free_pages(_u32(keep))
         if extra:
@@ -412,21 +409,23 @@ class Scheduler:
     def _share_prefill(self, req: Request) -> None:
         """Give the full pages a prefill chunk just computed to the tree at once, so requests
         arriving while this one runs hit them (a shared system prompt), not only after it
-        ends. The request keeps reading them through its block table under a lock on their
-        node; what the tree already held stays the request's own, and ``_release`` frees it
-        as the duplicate it is. (A stateful model shares only at exact state snapshots.)"""
+        ends. The insert frees the request's copies of pages the tree already held, so the
+        request then reads the tree's pages, under a lock on their node. (A stateful model
+        shares only at exact state snapshots.)"""
         cache = self.cache
         n = req.num_computed // self.pt * self.pt
         if n == 0:
             return
         key = _u32(req.tokens[:n])
-        cache.insert(key, _u32(req.block_table[: n // self.pt]), None)
-        node = cache.match(key).node
-        assert node is not None  # the tree holds key now, resident or parked
-        cache.lock(node)
+        ins = cache.insert(key, _u32(req.block_table[: n // self.pt]), None)
+        if ins.woken:
+            self.metrics.woken.inc(ins.woken)
+        m = cache.match(key)  # locks the path, now all resident
+        assert m.node is not None and m.resident_len == n
+        req.block_table[: n // self.pt] = _ids(m.pages)
         if req.node is not None:
             cache.unlock(req.node)
-        req.node = node
+        req.node = m.node
 
     # --- admission ------------------------------------------------------------------------
 
@@ -455,22 +454,27 @@ class Scheduler:
         have its pages (and slot) now. Leaves nothing allocated or locked when False."""
         key = _u32(req.tokens)
         cap = len(req.tokens) - 1  # recompute the last token for logits
-        m = self.cache.match(key)
+        m = self.cache.match(key)  # locked when it hit
         hit = self._usable_hit(m, cap)
-        if hit > 0 and self._admit_with_hit(req, key, m, hit):
-            return True
+        if hit > 0:
+            if self._admit_with_hit(req, key, m, hit):
+                return True
+        elif m.node is not None:
+            self.cache.unlock(m.node)
         return self._admit_at(req, None, None, 0)
 
     def _admit_with_hit(self, req: Request, key: np.ndarray, m: Match, hit: int) -> bool:
         cache = self.cache
-        node = m.node
+        node = m.node  # locked by the caller's match; unlocked here unless admitted
         assert node is not None
-        cache.lock(node)
         cap = len(req.tokens) - 1
         if m.resident_len < hit or (self.stateful and m.state_slot is None):
             parked = -(-m.hit_len // self.pt) - m.resident_len // self.pt
             if self._wake(node, parked):
-                m = cache.match(key)
+                m = cache.match(key)  # the woken pages, under a lock of their own
+                cache.unlock(node)
+                node = m.node
+                assert node is not None
                 hit = self._usable_hit(m, cap)
             else:
                 # Without the parked part, a stateless hit keeps its resident prefix; a

@@ -1,196 +1,262 @@
-"""Benchmark the prefix cache on a multi-turn agent trace: the Rust tree (``kern.pool.Cache``)
-against the pure-Python baseline (``kern.bench.pytree``) with the same semantics.
+"""Benchmark the prefix cache on a multi-turn agent trace: kern's tree (``kern.pool.Cache``)
+against a fast pure-Python radix tree with the same semantics (``kern.bench.pytree``), in one
+run, at page sizes 1 and 16.
 
-    python -m kern.bench.prefix [--requests 2000,20000] [--seed 0]
+    python -m kern.bench.prefix [--requests 2000,20000] [--page-tokens 1,16] [--runs 3]
 
-The trace: conversations that share a few ~2k-token system prompts; each turn appends 50-500
-user tokens and 50-300 answer tokens, so turn t+1's prompt is turn t's prompt + answer + new
-text; a few dozen conversations interleave. The device budget holds about 20% of the distinct
-tokens and the host tier another 40%, so the replay evicts and parks. Each request is replayed
-as a scheduler would: match -> lock -> wake a parked hit -> make room and allocate the rest ->
-insert -> free duplicates -> unlock. Both trees must report the same token hit rate.
+The trace (seeded): 8 system prompts of 1,536-2,560 tokens, picked with weight 1/(k+1);
+conversations of 4-16 turns, each turn adding 50-500 user tokens to the prompt and 50-300
+answer tokens after it (the next turn's prompt is the last prompt + answer + new text); an
+eighth of the conversations (at least 16) open at once, a finished one replaced by a new one;
+at most 8 requests in flight, started and finished in a seeded random interleaving, so a
+request holds its lock and its pages while others run. The device holds 20% of the distinct
+tokens (or, if more, what the requests in flight can hold at once).
+
+Each request is replayed as kern's scheduler drives the cache. At its start: ``match`` the
+prompt (locked), make room for the rest of the prompt's pages, allocate them. At its end: make
+room for the answer's pages, allocate them, ``insert`` the whole pages of prompt + answer
+(duplicates freed by the tree), free the partial last page, unlock. The Python tree does the
+same with its own free list. Both start from the same page capacity and must report the same
+hit length for every request and the same number of evictions: the run fails otherwise.
+
+Timings are the cache calls of each request (building keys from the trace is not counted), one
+implementation after the other, ``--runs`` times each (alternating), medians reported. Pin the
+process to one core (``taskset -c 1``) on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import hashlib
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kern.bench.pytree import PoolFull as PyPoolFull
-from kern.bench.pytree import PyCache
-from kern.pool import Cache, PoolFull
+from kern.bench import pytree
+from kern.pool import Cache
 
-PAGE_TOKENS = 16
-PAGE_BYTES = 1 << 16  # any size: only page counts matter to the books
 VOCAB = 150_000
+PAGE_BYTES = 64  # any size: only page counts matter to the books
+IN_FLIGHT = 8
+START, FINISH = 0, 1
 
 
 @dataclass
-class Request:
-    prompt: np.ndarray  # uint32
-    full: np.ndarray  # prompt + answer, what the request inserts at its end
+class Trace:
+    sessions: list[np.ndarray]  # each conversation's tokens, whole (uint32)
+    req_session: list[int]
+    req_prompt: list[int]  # prompt length
+    req_full: list[int]  # prompt + answer length
+    ops: list[tuple[int, int]]  # (START or FINISH, request)
+    distinct: int  # distinct tokens (templates used + every turn's text)
+    peak_tokens: int  # the most tokens the requests in flight hold at once
 
 
-def trace(num_requests: int, seed: int) -> tuple[list[Request], int]:
-    """The seeded workload and its number of distinct tokens."""
+def make_trace(num_requests: int, seed: int) -> Trace:
     rng = np.random.default_rng(seed)
-    systems = [
-        rng.integers(0, VOCAB, int(rng.integers(1900, 2100)), dtype=np.uint32) for _ in range(8)
+    templates = [
+        rng.integers(0, VOCAB, int(rng.integers(1536, 2561)), dtype=np.uint32) for _ in range(8)
     ]
-    distinct = sum(len(s) for s in systems)
+    weights = 1.0 / np.arange(1, 9)
+    weights /= weights.sum()
+    sessions: list[np.ndarray] = []
+    turns: list[list[tuple[int, int]]] = []  # per session: (prompt_len, full_len) per turn
+    used: set[int] = set()
+    distinct = 0
 
-    def new_conversation():
-        return {
-            "history": systems[int(rng.integers(len(systems)))],
-            "turns": int(rng.integers(2, 13)),
-        }
+    def new_session() -> int:
+        nonlocal distinct
+        k = int(rng.choice(8, p=weights))
+        if k not in used:
+            used.add(k)
+            distinct += len(templates[k])
+        n = int(rng.integers(4, 17))
+        users = rng.integers(50, 501, n)
+        answers = rng.integers(50, 301, n)
+        tail = rng.integers(0, VOCAB, int(users.sum() + answers.sum()), dtype=np.uint32)
+        distinct += len(tail)
+        length, spans = len(templates[k]), []
+        for u, a in zip(users.tolist(), answers.tolist(), strict=True):
+            spans.append((length + u, length + u + a))
+            length += u + a
+        sessions.append(np.concatenate([templates[k], tail]))
+        turns.append(spans)
+        return len(sessions) - 1
 
-    active = [new_conversation() for _ in range(32)]
-    out = []
-    for _ in range(num_requests):
-        i = int(rng.integers(len(active)))
-        conv = active[i]
-        user = rng.integers(0, VOCAB, int(rng.integers(50, 501)), dtype=np.uint32)
-        answer = rng.integers(0, VOCAB, int(rng.integers(50, 301)), dtype=np.uint32)
-        prompt = np.concatenate([conv["history"], user])
-        full = np.concatenate([prompt, answer])
-        distinct += len(user) + len(answer)
-        out.append(Request(prompt, full))
-        conv["history"], conv["turns"] = full, conv["turns"] - 1
-        if conv["turns"] == 0:
-            active[i] = new_conversation()
-    return out, distinct
+    num_open = max(16, -(-num_requests // 10 // 8))  # ~10 turns a conversation: an eighth open
+    open_ = [new_session() for _ in range(num_open)]
+    next_turn = {s: 0 for s in open_}
+    busy: set[int] = set()
+    flight: list[int] = []
+    t = Trace(sessions, [], [], [], [], 0, 0)
+    held = peak = 0
+    while len(t.req_session) < num_requests or flight:
+        idle = [s for s in open_ if s not in busy]
+        can_start = len(t.req_session) < num_requests and len(flight) < IN_FLIGHT and idle
+        if can_start and (not flight or rng.random() < 0.5):
+            s = idle[int(rng.integers(len(idle)))]
+            prompt, full = turns[s][next_turn[s]]
+            r = len(t.req_session)
+            t.req_session.append(s)
+            t.req_prompt.append(prompt)
+            t.req_full.append(full)
+            t.ops.append((START, r))
+            busy.add(s)
+            flight.append(r)
+            held += full
+            peak = max(peak, held)
+        else:
+            r = flight.pop(int(rng.integers(len(flight))))
+            t.ops.append((FINISH, r))
+            s = t.req_session[r]
+            busy.discard(s)
+            held -= t.req_full[r]
+            next_turn[s] += 1
+            if next_turn[s] == len(turns[s]):
+                open_[open_.index(s)] = fresh = new_session()
+                next_turn[fresh] = 0
+    t.distinct = distinct
+    t.peak_tokens = peak
+    return t
 
 
 @dataclass
-class Result:
+class Run:
     name: str
-    seconds: float
-    hit_tokens: int
-    prompt_tokens: int
-    match_us: list[float]
-    insert_us: list[float]
-    evict_us: list[float]
-    parked: int
-    dropped_resident: int
-    dropped_parked: int
-    woken: int
+    seconds: float = 0.0
+    hits: list[int] = field(default_factory=list)
+    match_us: list[float] = field(default_factory=list)
+    insert_us: list[float] = field(default_factory=list)
+    evict_us: list[float] = field(default_factory=list)
+    evicted: int = 0
+    nodes: int = 0
 
 
-def replay(cache, requests, *, page_unit: int, as_tokens, pool_full) -> tuple[float, dict]:
-    """Replay the trace through `cache`. `page_unit` is how many elements one page id takes in
-    the page lists the cache returns (4 bytes for the Rust cache's bytes, 1 for lists)."""
-    pt = PAGE_TOKENS
+def replay_kern(t: Trace, pt: int, budget: int) -> Run:
+    cache = Cache(page_tokens=pt, page_bytes=PAGE_BYTES, device_bytes=budget)
     clock = time.perf_counter_ns
+    run = Run("kern")
+    hits = [0] * len(t.req_session)
+    state: dict[int, tuple] = {}
     match_ns, insert_ns, evict_ns = [], [], []
-    hit_tokens = prompt_tokens = 0
-    busy = 0  # time inside the replay, without the per-request key conversion
-    for r in requests:
-        prompt, full = as_tokens(r.prompt), as_tokens(r.full)
-        start = clock()
-        t0 = clock()
-        m = cache.match(prompt)
-        match_ns.append(clock() - t0)
-        if m.node is not None:
-            cache.lock(m.node)
-        if m.resident_len < m.hit_len:
-            for _ in range(2):
-                try:
-                    cache.wake(m.node)
-                    break
-                except pool_full:
-                    t0 = clock()
-                    if cache.make_room(-(-m.hit_len // pt)):
-                        evict_ns.append(clock() - t0)
-            m = cache.match(prompt)
-        hit = m.resident_len
-        shared = hit // pt
-        need = -(-len(full) // pt) - shared
-        t0 = clock()
-        if cache.make_room(need):
-            evict_ns.append(clock() - t0)
-        try:
-            fresh = cache.alloc_pages(need)
-        except pool_full:
-            fresh = None
-        if fresh is not None:
-            pages = m.pages[: shared * page_unit] + fresh
+    busy = 0
+    for kind, r in t.ops:
+        tokens = t.sessions[t.req_session[r]]
+        if kind == START:
+            # A fresh array, as a scheduler builds one (and as the Python tree gets fresh
+            # bytes): a view into the session's tokens would be cold in cache.
+            prompt = tokens[: t.req_prompt[r]].copy()
             t0 = clock()
-            dups = cache.insert(full, pages)
-            insert_ns.append(clock() - t0)
-            cache.free(dups)
-        if m.node is not None:
-            cache.unlock(m.node)
-        hit_tokens += hit
-        prompt_tokens += len(prompt)
-        busy += clock() - start
-    seconds = busy / 1e9
-    return seconds, dict(
-        hit_tokens=hit_tokens,
-        prompt_tokens=prompt_tokens,
-        match_us=[x / 1e3 for x in match_ns],
-        insert_us=[x / 1e3 for x in insert_ns],
-        evict_us=[x / 1e3 for x in evict_ns],
-    )
-
-
-class RustAdapter:
-    """kern.pool.Cache with the replay's verbs: one crossing per operation."""
-
-    def __init__(self, cache: Cache):
-        self.c = cache
-        self.match, self.lock, self.unlock = cache.match, cache.lock, cache.unlock
-        self.wake, self.alloc_pages, self.make_room = cache.wake, cache.alloc_pages, cache.make_room
-
-    def insert(self, tokens, pages):
-        return self.c.insert(tokens, pages).duplicates
-
-    def free(self, pages):
-        if pages:
-            self.c.free_pages(pages)
-
-
-def run_rust(requests, device_pages, host_pages) -> tuple[Result, Cache]:
-    cache = Cache(
-        page_tokens=PAGE_TOKENS,
-        page_bytes=PAGE_BYTES,
-        device_bytes=device_pages * PAGE_BYTES,
-        host_bytes=host_pages * PAGE_BYTES,
-    )
-    seconds, r = replay(
-        RustAdapter(cache), requests, page_unit=4, as_tokens=lambda a: a, pool_full=PoolFull
-    )
+            m = cache.match(prompt)
+            t1 = clock()
+            need = -(-len(prompt) // pt) - m.hit_len // pt
+            room = cache.make_room(need)
+            t2 = clock()
+            block = m.pages + cache.alloc_pages(need)
+            t3 = clock()
+            match_ns.append(t1 - t0)
+            if room.evicted:
+                evict_ns.append(t2 - t1)
+            busy += t3 - t0
+            hits[r] = m.hit_len
+            state[r] = (m.node, block)
+        else:
+            node, block = state.pop(r)
+            full_len = t.req_full[r]
+            whole = full_len // pt * 4
+            key = tokens[: full_len // pt * pt].copy()
+            t0 = clock()
+            need = -(-full_len // pt) - len(block) // 4
+            room = cache.make_room(need)
+            t1 = clock()
+            block += cache.alloc_pages(need)
+            t2 = clock()
+            cache.insert(key, block[:whole])
+            t3 = clock()
+            if len(block) > whole:
+                cache.free_pages(block[whole:])
+            if node is not None:
+                cache.unlock(node)
+            t4 = clock()
+            if room.evicted:
+                evict_ns.append(t1 - t0)
+            insert_ns.append(t3 - t2)
+            busy += t4 - t0
     cache.check_integrity()
     s = cache.stats()
-    res = Result(
-        "rust",
-        seconds,
-        parked=s.num_parked,
-        dropped_resident=s.num_dropped_resident,
-        dropped_parked=s.num_dropped_parked,
-        woken=s.num_woken,
-        **r,
-    )
-    return res, cache
+    assert s.pages_used == s.resident_pages, "pages left outside the tree"
+    run.seconds = busy / 1e9
+    run.hits = hits
+    run.match_us = [x / 1e3 for x in match_ns]
+    run.insert_us = [x / 1e3 for x in insert_ns]
+    run.evict_us = [x / 1e3 for x in evict_ns]
+    run.evicted = s.num_dropped_resident
+    run.nodes = s.num_nodes
+    return run
 
 
-def run_python(requests, device_pages, host_pages) -> Result:
-    cache = PyCache(PAGE_TOKENS, device_pages, host_pages)
-    seconds, r = replay(
-        cache, requests, page_unit=1, as_tokens=lambda a: a.tolist(), pool_full=PyPoolFull
-    )
-    return Result(
-        "python",
-        seconds,
-        parked=cache.num_parked,
-        dropped_resident=cache.num_dropped_resident,
-        dropped_parked=cache.num_dropped_parked,
-        woken=cache.num_woken,
-        **r,
-    )
+def replay_python(t: Trace, pt: int, budget: int) -> Run:
+    num_pages = Cache(page_tokens=pt, page_bytes=PAGE_BYTES, device_bytes=budget).device.num_pages
+    tree = pytree.Tree(pt, num_pages)
+    clock = time.perf_counter_ns
+    run = Run("python")
+    hits = [0] * len(t.req_session)
+    state: dict[int, tuple] = {}
+    match_ns, insert_ns, evict_ns = [], [], []
+    busy = 0
+    keys = [s.tobytes() for s in t.sessions]  # the key bytes are built once, untimed
+    for kind, r in t.ops:
+        tokens = keys[t.req_session[r]]
+        if kind == START:
+            prompt = tokens[: 4 * t.req_prompt[r]]
+            t0 = clock()
+            m = tree.match(prompt)
+            t1 = clock()
+            need = -(-len(prompt) // (4 * pt)) - m.hit_len // pt
+            evicted = tree.make_room(need)
+            t2 = clock()
+            block = m.pages + tree.alloc_pages(need)
+            t3 = clock()
+            match_ns.append(t1 - t0)
+            if evicted:
+                evict_ns.append(t2 - t1)
+            busy += t3 - t0
+            hits[r] = m.hit_len
+            state[r] = (m.node, m.hit_len, block)
+        else:
+            node, hit, block = state.pop(r)
+            full_len = t.req_full[r]
+            whole = full_len // pt
+            key = tokens[: 4 * whole * pt]
+            t0 = clock()
+            need = -(-full_len // pt) - len(block)
+            evicted = tree.make_room(need)
+            t1 = clock()
+            block += tree.alloc_pages(need)
+            t2 = clock()
+            held = tree.insert(key, block[:whole])
+            tree.free_pages(block[hit // pt : held // pt])  # our copies of what it held
+            t3 = clock()
+            tree.free_pages(block[whole:])
+            if node is not None:
+                tree.unlock(node)
+            t4 = clock()
+            if evicted:
+                evict_ns.append(t1 - t0)
+            insert_ns.append(t3 - t2)
+            busy += t4 - t0
+    assert len(tree.free) + tree.cached_pages == num_pages, "pages lost"
+    run.seconds = busy / 1e9
+    run.hits = hits
+    run.match_us = [x / 1e3 for x in match_ns]
+    run.insert_us = [x / 1e3 for x in insert_ns]
+    run.evict_us = [x / 1e3 for x in evict_ns]
+    run.evicted = tree.num_evicted
+    run.nodes = tree.num_nodes
+    return run
 
 
 def stat(xs: list[float]) -> str:
@@ -200,91 +266,97 @@ def stat(xs: list[float]) -> str:
     return f"{a.mean():.1f} / {np.percentile(a, 99):.1f}"
 
 
-def main(argv=None) -> None:
+def digest(hits: list[int]) -> str:
+    return hashlib.sha256(np.asarray(hits, np.int64).tobytes()).hexdigest()[:12]
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--requests", default="2000,20000", help="comma-separated request counts")
+    ap.add_argument("--page-tokens", default="1,16", help="comma-separated page sizes")
+    ap.add_argument("--runs", type=int, default=3, help="runs of each tree, alternating")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip-python", action="store_true", help="time only the Rust tree")
     args = ap.parse_args(argv)
-    rows, per_request = [], {}
-    for n in [int(x) for x in args.requests.split(",")]:
-        requests, distinct = trace(n, args.seed)
-        device_budget = int(0.2 * distinct) // PAGE_TOKENS
-        host_budget = int(0.4 * distinct) // PAGE_TOKENS
-        rust, cache = run_rust(requests, device_budget, host_budget)
-        # The Python tree gets exactly the capacities the chunked pools ended up with.
-        s = cache.stats()
-        device_pages, host_pages = (
-            s.pages_used + s.pages_free,
-            s.host_pages_free + s.host_pages_used,
-        )
-        results = [rust]
-        if not args.skip_python:
-            results.append(run_python(requests, device_pages, host_pages))
-        print(
-            f"\n{n} requests: {distinct} distinct tokens, device {device_pages} pages, "
-            f"host {host_pages} pages of {PAGE_TOKENS} tokens"
-        )
-        for r in results:
-            rows.append((n, r))
-            per_request[(n, r.name)] = r.seconds / n
-        if len(results) == 2:
-            a, b = results
-            if abs(a.hit_tokens - b.hit_tokens) != 0:
-                raise SystemExit(
-                    f"hit rates differ: rust {a.hit_tokens} vs python {b.hit_tokens} tokens"
-                )
+    sizes = [int(x) for x in args.requests.split(",")]
+    pts = [int(x) for x in args.page_tokens.split(",")]
+    rows = []
+    per_request: dict[tuple[int, int, str], float] = {}
+    for n in sizes:
+        t = make_trace(n, args.seed)
+        prompt_tokens = sum(t.req_prompt)
+        for pt in pts:
+            want = max(int(0.2 * t.distinct) // pt, -(-int(1.05 * t.peak_tokens) // pt) + 1)
+            budget = want * PAGE_BYTES
+            num_pages = Cache(
+                page_tokens=pt, page_bytes=PAGE_BYTES, device_bytes=budget
+            ).device.num_pages
+            runs: dict[str, list[Run]] = {"kern": [], "python": []}
+            for _ in range(args.runs):
+                for name, replay in (("kern", replay_kern), ("python", replay_python)):
+                    gc.collect()
+                    runs[name].append(replay(t, pt, budget))
+            k, p = runs["kern"][0], runs["python"][0]
+            for r in runs["kern"] + runs["python"]:
+                if r.hits != k.hits or r.evicted != k.evicted:
+                    raise SystemExit(
+                        f"{n} requests, page {pt}: {r.name} differs: hits {digest(r.hits)} vs "
+                        f"{digest(k.hits)}, evictions {r.evicted} vs {k.evicted}"
+                    )
+            print(
+                f"{n} requests, page {pt}: {t.distinct:,} distinct tokens, {num_pages:,} pages; "
+                f"identical hits (sha256 {digest(k.hits)}) and evictions ({k.evicted:,})",
+                flush=True,
+            )
+            for name in ("kern", "python"):
+                rs = runs[name]
+                secs = statistics.median(r.seconds for r in rs)
+                per_request[(n, pt, name)] = secs / n
+                mid = sorted(rs, key=lambda r: r.seconds)[len(rs) // 2]
+                rows.append((n, pt, name, n / secs, mid, sum(mid.hits) / prompt_tokens))
+            del k, p
     header = (
         "requests",
+        "page",
         "tree",
         "req/s",
         "match us (mean / p99)",
         "insert us (mean / p99)",
         "evict us (mean / p99)",
         "hit rate",
-        "parked",
-        "dropped res/parked",
-        "woken",
+        "evictions",
+        "nodes",
     )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for n, r in rows:
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    str(n),
-                    r.name,
-                    f"{n / r.seconds:,.0f}",
-                    stat(r.match_us),
-                    stat(r.insert_us),
-                    stat(r.evict_us),
-                    f"{r.hit_tokens / r.prompt_tokens:.4f}",
-                    str(r.parked),
-                    f"{r.dropped_resident}/{r.dropped_parked}",
-                    str(r.woken),
-                ]
-            )
-            + " |"
-        )
+    for n, pt, name, rps, r, hit_rate in rows:
+        cells = [
+            f"{n:,}",
+            str(pt),
+            name,
+            f"{rps:,.0f}",
+            stat(r.match_us),
+            stat(r.insert_us),
+            stat(r.evict_us),
+            f"{hit_rate:.4f}",
+            f"{r.evicted:,}",
+            f"{r.nodes:,}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     print()
     print("\n".join(lines))
-    sizes = sorted({n for n, _ in rows})
     print()
     for n in sizes:
-        if (n, "python") in per_request:
-            print(
-                f"{n} requests: rust is "
-                f"{per_request[(n, 'python')] / per_request[(n, 'rust')]:.1f}x "
-                "the pure-Python tree's requests/s"
-            )
+        for pt in pts:
+            ratio = per_request[(n, pt, "python")] / per_request[(n, pt, "kern")]
+            print(f"{n:,} requests, page {pt}: kern is {ratio:.1f}x the Python tree's requests/s")
     if len(sizes) >= 2:
         lo, hi = sizes[0], sizes[-1]
-        print(
-            f"rust per-request cost at {hi} / at {lo} requests: "
-            f"{per_request[(hi, 'rust')] / per_request[(lo, 'rust')]:.2f}x"
-        )
+        for pt in pts:
+            growth = per_request[(hi, pt, "kern")] / per_request[(lo, pt, "kern")]
+            print(
+                f"page {pt}: kern's per-request cost at {hi:,} / at {lo:,} requests: {growth:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,24 @@
-"""The baseline for ``kern.bench.prefix``: a plain pure-Python radix tree with the semantics of
-``kern.pool.Cache`` for a stateless model (match, lock, insert, make room, wake), written the way
-Python serving trees usually are: node objects, dict children, page-stepped key compares, and
-a make-room step that collects the evictable leaves and heapifies them on every call.
+"""The baseline for ``kern.bench.prefix``: a pure-Python radix tree written for speed, with the
+semantics of ``kern.pool.Cache`` on a device-only, stateless cache fed whole pages.
 
-Kept only as the benchmark's yardstick: both must report the same hit rate on the same trace.
+What makes it fast, as Python trees go:
+
+- keys are ``bytes`` of little-endian u32, so comparing a node's run against the key is one
+  ``bytes.startswith(run, offset)`` (a memory compare, no slice);
+- children sit in a dict keyed by their first page's bytes: one lookup per step down;
+- offsets into the key, not slices of it, while walking;
+- evictable leaves in a heap kept as things change (stale entries skipped when popped), so a
+  make-room step pops the coldest leaf instead of collecting and heapifying every leaf;
+- page ids in a free list (a Python list used as a stack).
+
+Semantics, the same as kern's (``docs/pool.md``): a match descends through the children it
+matches whole and stops in the one it matches in part, splitting it right after the last page
+it read (a whole page, or the page the key ends in); where the key ends inside the first page
+of several children it reads the one used last. It refreshes and locks only that path. An
+insert walks the same way, splits where the key leaves the tree and hangs the rest as one new
+leaf; it refreshes the key's path and reports how many tokens the tree already held. Eviction
+takes the unlocked leaf used longest ago (ties: deeper first), whole, until the room asked for
+is there. One logical clock tick per operation.
 """
 
 from __future__ import annotations
@@ -15,252 +30,201 @@ class PoolFull(Exception):
     pass
 
 
-class _Node:
-    __slots__ = ("parent", "start", "tokens", "pages", "parked", "children", "lock", "stamp")
+class Node:
+    __slots__ = ("parent", "key", "pages", "children", "lock", "own_lock", "tick", "end", "live")
 
-    def __init__(self, parent, start, tokens, pages):
+    def __init__(self, parent: Node | None, key: bytes, pages: list[int], end: int, tick: int):
         self.parent = parent
-        self.start = start
-        self.tokens = tokens
+        self.key = key  # this node's tokens, as bytes
         self.pages = pages
-        self.parked = False
-        self.children: dict[int, list[_Node]] = {}
-        self.lock = 0
-        self.stamp = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
-
-    def kids(self):
-        for bucket in self.children.values():
-            yield from bucket
+        self.children: dict[bytes, Node] = {}
+        self.lock = 0  # locks on this node and its descendants
+        self.own_lock = 0  # locks taken on this node itself
+        self.tick = tick
+        self.end = end  # path length (tokens) at this node's end
+        self.live = True
 
 
-class PyMatch:
-    __slots__ = ("hit_len", "resident_len", "node", "pages")
+class Match:
+    __slots__ = ("hit_len", "node", "pages")
 
-    def __init__(self, hit_len, resident_len, node, pages):
-        self.hit_len, self.resident_len, self.node, self.pages = hit_len, resident_len, node, pages
+    def __init__(self, hit_len: int, node: Node | None, pages: list[int]):
+        self.hit_len, self.node, self.pages = hit_len, node, pages
 
 
-class PyCache:
-    def __init__(self, page_tokens: int, device_pages: int, host_pages: int):
+class Tree:
+    def __init__(self, page_tokens: int, num_pages: int):
         self.pt = page_tokens
-        self.root = _Node(None, 0, [], [])
-        self.free_pages = list(range(device_pages - 1, -1, -1))
-        self.host_free = list(range(host_pages - 1, -1, -1))
-        self.host_capacity = host_pages
+        self.unit = 4 * page_tokens  # bytes per page of key
+        self.root = Node(None, b"", [], 0, 0)
+        self.free = list(range(num_pages - 1, -1, -1))
         self.clock = 0
-        self.num_parked = self.num_dropped_resident = self.num_dropped_parked = self.num_woken = 0
+        self.heap: list[tuple[int, int, int, Node]] = []
+        self.serial = 0
+        self.num_nodes = 0
+        self.num_evicted = 0
+        self.cached_pages = 0
+
+    # ---- the pool
 
     @property
     def pages_free(self) -> int:
-        return len(self.free_pages)
+        return len(self.free)
 
-    def _lcp(self, a, b) -> int:
-        pt, n, i = self.pt, min(len(a), len(b)), 0
-        while i + pt <= n and a[i : i + pt] == b[i : i + pt]:
-            i += pt
-        while i < n and a[i] == b[i]:
-            i += 1
-        return i
-
-    def _best_child(self, node, rest, pos):
-        bucket = node.children.get(rest[pos]) if pos < len(rest) else None
-        best, best_rank = None, None
-        for c in bucket or ():
-            n = self._lcp(c.tokens, rest[pos : pos + len(c.tokens)])
-            # Ties as the Rust tree breaks them: resident first, then matched whole.
-            rank = (n, not c.parked, n == len(c.tokens))
-            if best is None or rank > best_rank:
-                best, best_rank = c, rank
-        return best, (best_rank[0] if best is not None else 0)
-
-    def _walk(self, tokens):
-        path, node, pos = [], self.root, 0
-        while True:
-            c, n = self._best_child(node, tokens, pos)
-            if c is None:
-                return path, pos
-            path.append(c)
-            pos += n
-            if n < len(c.tokens):
-                return path, pos
-            node = c
-
-    def _touch(self, path):
-        self.clock += 1
-        for n in path:
-            n.stamp = self.clock
-
-    def match(self, tokens) -> PyMatch:
-        path, hit = self._walk(tokens)
-        pages, resident, ok = [], 0, True
-        for n in path:
-            end = min(n.end, hit)
-            if ok and not n.parked:
-                pages.extend(n.pages[: -(-(end - n.start) // self.pt)])
-                resident = end
-            else:
-                ok = False
-        self._touch(path)
-        return PyMatch(hit, resident, path[-1] if path else None, pages)
-
-    def lock(self, node):
-        while node is not self.root:
-            node.lock += 1
-            node = node.parent
-
-    def unlock(self, node):
-        while node is not self.root:
-            node.lock -= 1
-            node = node.parent
-
-    def alloc_pages(self, n):
-        if n > len(self.free_pages):
-            raise PoolFull(f"needed {n}, only {len(self.free_pages)} available")
-        out = self.free_pages[-n:] if n else []
-        del self.free_pages[len(self.free_pages) - n :]
+    def alloc_pages(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise PoolFull(f"needed {n}, only {len(self.free)} free")
+        if n == 0:
+            return []
+        out = self.free[-n:]
+        del self.free[-n:]
         return out
 
-    def free(self, pages):
-        self.free_pages.extend(pages)
+    def free_pages(self, pages: list[int]) -> None:
+        self.free.extend(pages)
 
-    def _split(self, c, at):
-        k = at // self.pt
-        top = _Node(c.parent, c.start, c.tokens[:at], c.pages[:k])
-        top.parked, top.lock, top.stamp = c.parked, c.lock, c.stamp
-        bucket = c.parent.children[c.tokens[0]]
-        bucket[bucket.index(c)] = top
-        c.tokens, c.pages, c.start, c.parent = c.tokens[at:], c.pages[k:], c.start + at, top
-        top.children[c.tokens[0]] = [c]
-        return top
+    # ---- eviction candidates
 
-    def _leaf(self, parent, tokens, pages):
-        leaf = _Node(parent, parent.end, tokens, pages)
-        parent.children.setdefault(tokens[0], []).append(leaf)
-        return leaf
+    def _offer(self, node: Node) -> None:
+        """Push `node` if it is an evictable leaf now (older entries for it go stale)."""
+        if node.lock == 0 and not node.children and node is not self.root:
+            self.serial += 1
+            heapq.heappush(self.heap, (node.tick, -node.end, self.serial, node))
 
-    def _dups(self, c, pages, lo, hi, out):
-        base = c.start // self.pt
-        for g in range(lo, hi):
-            if c.parked or c.pages[g - base] != pages[g]:
-                out.append(pages[g])
-
-    def insert(self, tokens, pages):
-        pt, dups, node, pos = self.pt, [], self.root, 0
-        while pos < len(tokens):
-            g0 = pos // pt
-            c, m = self._best_child(node, tokens, pos)
-            if c is None:
-                node = self._leaf(node, tokens[pos:], pages[g0:])
-                break
-            clen, rest = len(c.tokens), len(tokens) - pos
-            if m == clen and not (clen % pt and rest > clen):
-                self._dups(c, pages, g0, g0 + -(-clen // pt), dups)
-                pos, node = pos + clen, c
-                continue
-            if m == rest:
-                self._dups(c, pages, g0, len(pages), dups)
-                node = c
-                break
-            s = m // pt * pt
-            gs = g0 + s // pt
-            self._dups(c, pages, g0, gs, dups)
-            parent = self._split(c, s) if s else node
-            node = self._leaf(parent, tokens[pos + s :], pages[gs:])
-            break
-        path = []
-        while node is not self.root:
-            path.append(node)
-            node = node.parent
-        self._touch(path)
-        return dups
-
-    def _remove(self, n):
-        bucket = n.parent.children[n.tokens[0]]
-        bucket.remove(n)
-        if not bucket:
-            del n.parent.children[n.tokens[0]]
-
-    def _candidates(self, parked):
-        # The usual approach: collect the evictable leaves and heapify them on every call.
-        out, stack = [], [self.root]
-        while stack:
-            n = stack.pop()
-            kids = list(n.kids())
-            stack.extend(kids)
-            if n is self.root or n.lock or n.parked != parked:
-                continue
-            if parked and not kids or not parked and not any(not k.parked for k in kids):
-                out.append((n.stamp, -n.end, id(n), n))
-        heapq.heapify(out)
-        return out
-
-    def _drop(self, n):
-        if n.parked:
-            self.host_free.extend(n.pages)
-            self.num_dropped_parked += 1
-        else:
-            for k in list(n.kids()):  # only parked children can remain under a drop candidate
-                self._drop(k)
-            self.free_pages.extend(n.pages)
-            self.num_dropped_resident += 1
-        self._remove(n)
-
-    def make_room(self, pages, park=True):
-        taken = []
-        if len(self.free_pages) >= pages:
-            return taken
-        heap = self._candidates(parked=False)
-        while len(self.free_pages) < pages and heap:
-            _, _, _, x = heapq.heappop(heap)
-            parked = None
-            if park and self.host_capacity and len(x.pages) <= self.host_capacity:
-                parked_heap = None
-                while len(self.host_free) < len(x.pages):
-                    parked_heap = parked_heap or self._candidates(parked=True)
-                    if not parked_heap:
-                        break
-                    y = heapq.heappop(parked_heap)[3]
-                    parent = y.parent
-                    self._drop(y)
-                    taken.append(("dropped", True))
-                    if parent.parked and not parent.lock and not parent.children:
-                        heapq.heappush(parked_heap, (parent.stamp, -parent.end, id(parent), parent))
-                if len(self.host_free) >= len(x.pages):
-                    n = len(x.pages)
-                    host = self.host_free[-n:] if n else []
-                    del self.host_free[len(self.host_free) - n :]
-                    self.free_pages.extend(x.pages)
-                    x.pages, x.parked = host, True
-                    self.num_parked += 1
-                    parked = True
-                    taken.append(("parked", x))
-            if not parked:
-                self._drop(x)
-                taken.append(("dropped", False))
+    def make_room(self, n: int) -> int:
+        """Evict whole leaves, coldest first, until `n` pages are free; returns how many
+        entries went."""
+        taken = 0
+        heap = self.heap
+        while len(self.free) < n and heap:
+            tick, _, _, x = heapq.heappop(heap)
+            if not x.live or x.lock or x.children or x.tick != tick:
+                continue  # stale: touched, locked or grown since it was pushed
             p = x.parent
-            if (
-                p is not self.root
-                and not p.parked
-                and not p.lock
-                and not any(not k.parked for k in p.kids())
-            ):
-                heapq.heappush(heap, (p.stamp, -p.end, id(p), p))
+            del p.children[x.key[: self.unit]]
+            x.live = False
+            self.free.extend(x.pages)
+            self.cached_pages -= len(x.pages)
+            self.num_nodes -= 1
+            taken += 1
+            self._offer(p)
+        self.num_evicted += taken
+        if len(heap) > 4 * self.num_nodes + 64:
+            # Too many stale entries: rebuild from the live leaves.
+            self.heap = [e for e in heap if e[3].live and e[3].tick == e[0]]
+            heapq.heapify(self.heap)
         return taken
 
-    def wake(self, node):
-        chain = []
-        while node is not self.root:
-            if node.parked:
-                chain.append(node)
-            node = node.parent
-        need = sum(len(n.pages) for n in chain)
-        if need > len(self.free_pages):
-            raise PoolFull(f"needed {need}, only {len(self.free_pages)} available")
-        for n in reversed(chain):
-            self.host_free.extend(n.pages)
-            n.pages, n.parked = self.alloc_pages(len(n.pages)), False
-            self.num_woken += 1
+    # ---- walking
+
+    def _split(self, c: Node, nbytes: int) -> Node:
+        """Split `c` after `nbytes` bytes of key (whole pages) into a new parent."""
+        ntok = nbytes // 4
+        k = ntok // self.pt
+        p = c.parent
+        top = Node(p, c.key[:nbytes], c.pages[:k], c.end - len(c.key) // 4 + ntok, c.tick)
+        top.lock = c.lock
+        p.children[c.key[: self.unit]] = top
+        c.key = c.key[nbytes:]
+        c.pages = c.pages[k:]
+        c.parent = top
+        top.children[c.key[: self.unit]] = c
+        self.num_nodes += 1
+        return top
+
+    def _common_pages(self, run: bytes, key: bytes, off: int) -> int:
+        """Bytes (whole pages) of `run` that `key` matches from `off`; `run` does not match
+        whole."""
+        u = self.unit
+        lo, hi = 1, min(len(run), len(key) - off) // u  # the first page matched (the dict key)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if key.startswith(run[: mid * u], off):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * u
+
+    def _walk(self, key: bytes) -> tuple[Node, int, list[Node]]:
+        """Descend as far as `key` matches, splitting the node it stops in right after the last
+        page it read; returns the deepest node, the bytes matched and the path."""
+        u = self.unit
+        node, off, path = self.root, 0, []
+        end = len(key)
+        while end - off >= u:
+            c = node.children.get(key[off : off + u])
+            if c is None:
+                break
+            run = c.key
+            if key.startswith(run, off):
+                path.append(c)
+                node, off = c, off + len(run)
+                continue
+            if len(run) > end - off and run.startswith(key[off:]):
+                n = end - off  # the key ends inside `run`, which it reads to there
+            else:
+                n = self._common_pages(run, key, off)
+            top = -(-n // u) * u
+            c = self._split(c, top) if top < len(run) else c
+            path.append(c)
+            return c, off + n, path
+        if 0 < end - off < u:
+            # The key ends inside a child's first page: read the one used last.
+            rest = key[off:]
+            inside = [c for c in node.children.values() if c.key.startswith(rest)]
+            if inside:
+                c = max(inside, key=lambda c: c.tick)
+                c = self._split(c, u) if len(c.key) > u else c
+                path.append(c)
+                return c, end, path
+        return node, off, path
+
+    def _touch(self, path: list[Node]) -> None:
+        self.clock += 1
+        now = self.clock
+        for n in path:
+            n.tick = now
+        if path:
+            self._offer(path[-1])
+
+    # ---- the operations
+
+    def match(self, key: bytes) -> Match:
+        """Longest cached prefix, locked (release with `unlock`)."""
+        node, off, path = self._walk(key)
+        if not path:
+            return Match(0, None, [])
+        pages: list[int] = []
+        for n in path:
+            pages += n.pages
+        node.own_lock += 1
+        x: Node | None = node
+        while x is not None and x is not self.root:
+            x.lock += 1
+            x = x.parent
+        self._touch(path)
+        return Match(off // 4, node, pages)
+
+    def unlock(self, node: Node) -> None:
+        if node.own_lock == 0:
+            raise ValueError("not locked")
+        node.own_lock -= 1
+        x: Node | None = node
+        while x is not None and x is not self.root:
+            x.lock -= 1
+            if x.lock == 0:
+                self._offer(x)
+            x = x.parent
+
+    def insert(self, key: bytes, pages: list[int]) -> int:
+        """Give the key (whole pages) and its pages to the tree; returns the tokens it held.
+        The caller frees its own pages for those tokens (they duplicate the tree's)."""
+        node, off, path = self._walk(key)
+        if off < len(key):
+            leaf = Node(node, key[off:], pages[off // self.unit :], len(key) // 4, 0)
+            node.children[key[off : off + self.unit]] = leaf
+            self.num_nodes += 1
+            self.cached_pages += len(leaf.pages)
+            path.append(leaf)
+        self._touch(path)
+        return off // 4

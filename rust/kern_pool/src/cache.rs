@@ -1,11 +1,13 @@
 //! The one object the scheduler talks to: the device pool, the host tier and the prefix tree,
-//! behind the verbs a scheduler needs (match, lock/unlock, insert, make room, wake, alloc/free,
-//! stats, check integrity). One call per operation keeps the number of crossings low.
+//! behind the verbs a scheduler needs (match, unlock, insert, make room, wake, alloc/free,
+//! stats, check integrity). One call per operation keeps the number of crossings low: match
+//! locks what it returns, insert frees the caller's duplicates, make room takes how much room
+//! is wanted and says what it did.
 
 use crate::error::{KernError, Result};
 use crate::host::Host;
 use crate::ids::{NodeId, PageId, SlotId};
-use crate::plan::{Evicted, WakePlan};
+use crate::plan::{Room, WakePlan};
 use crate::pool::{Kind, Pool, PoolStats};
 use crate::prefix::{Inserted, Match, Prefix, PrefixStats};
 
@@ -39,7 +41,6 @@ pub struct Cache {
 
 impl Cache {
     pub fn new(cfg: CacheConfig) -> Result<Self> {
-        let prefix = Prefix::new(cfg.page_tokens)?;
         let min_slots = if cfg.state_bytes > 0 {
             cfg.min_slots
         } else {
@@ -51,6 +52,7 @@ impl Cache {
         } else {
             None
         };
+        let prefix = Prefix::new(cfg.page_tokens, pool.num_pages(), pool.num_slots())?;
         Ok(Cache { pool, host, prefix })
     }
 
@@ -67,8 +69,19 @@ impl Cache {
         self.host.as_ref().map(Host::pool)
     }
 
+    /// Record each evicted or woken entry's whole token path in its key (for tests).
+    pub fn record_paths(&mut self, on: bool) {
+        self.prefix.record_paths(on);
+    }
+
+    /// Longest cached prefix, locked (release with `unlock(m.node)`); see `Prefix::match_prefix`.
     pub fn match_prefix(&mut self, tokens: &[u32]) -> Match {
         self.prefix.match_prefix(tokens)
+    }
+
+    /// What `match_prefix` would return, changing nothing.
+    pub fn peek(&self, tokens: &[u32]) -> Match {
+        self.prefix.peek(tokens)
     }
 
     pub fn lock(&mut self, node: NodeId) -> Result<()> {
@@ -85,16 +98,23 @@ impl Cache {
         pages: &[u32],
         state: Option<SlotId>,
     ) -> Result<Inserted> {
-        self.prefix.insert(&self.pool, tokens, pages, state)
+        self.prefix
+            .insert(&mut self.pool, self.host.as_mut(), tokens, pages, state)
     }
 
-    pub fn make_room(&mut self, pages: u64, slots: u64, park: bool) -> Vec<Evicted> {
+    /// Evict until `pages` pages and `slots` slots can be allocated together.
+    pub fn make_room(&mut self, pages: u64, slots: u64, park: bool) -> Room {
         self.prefix
             .make_room(&mut self.pool, self.host.as_mut(), pages, slots, park)
     }
 
     pub fn wake(&mut self, node: NodeId) -> Result<WakePlan> {
         self.prefix.wake(&mut self.pool, self.host.as_mut(), node)
+    }
+
+    /// Is this device page held by the tree?
+    pub fn owns_page(&self, page: u32) -> bool {
+        self.prefix.owns_page(page)
     }
 
     pub fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>> {

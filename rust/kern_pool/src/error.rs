@@ -19,6 +19,14 @@ pub enum KernError {
         needed: u64,
         available: u64,
     },
+    /// Not enough room for pages and state slots together; nothing was allocated.
+    RoomFull {
+        pages: u64,
+        slots: u64,
+        pages_free: u64,
+    },
+    /// A key longer than 2^32 tokens.
+    TooLong { tokens: usize },
     /// An id that is out of range or not allocated.
     NotAllocated { what: &'static str, id: u32 },
     /// The same id named twice in one call.
@@ -55,6 +63,16 @@ impl fmt::Display for KernError {
             PoolFull { what, needed, available } => {
                 write!(f, "{what}: needed {needed}, only {available} available")
             }
+            RoomFull {
+                pages,
+                slots,
+                pages_free,
+            } => write!(
+                f,
+                "no room for {pages} pages and {slots} state slots together ({pages_free} pages \
+                 free alone)"
+            ),
+            TooLong { tokens } => write!(f, "{tokens} tokens is more than a key may hold (2^32)"),
             NotAllocated { what, id } => write!(f, "{what} {id} is not allocated"),
             Repeated { what, id } => write!(f, "{what} {id} is named more than once"),
             OwnedByCache { what, id } => {

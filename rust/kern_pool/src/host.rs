@@ -4,7 +4,7 @@
 
 use crate::error::Result;
 use crate::ids::{HostPageId, HostSlotId};
-use crate::pool::{Kind, Pool, PoolStats};
+use crate::pool::{Kind, Pool, PoolStats, Shadow};
 
 #[derive(Clone, Debug)]
 pub struct Host {
@@ -24,38 +24,29 @@ impl Host {
 
     /// Could `pages` pages and `states` states ever fit, with every parked entry dropped?
     pub fn could_ever_fit(&self, pages: usize, states: usize) -> bool {
-        let chunks = |n: usize, per: u32| {
-            if n == 0 {
-                0
-            } else {
-                (n as u64).div_ceil(u64::from(per.max(1)))
-            }
-        };
-        if states > 0 && !self.pool.has_slots() {
-            return false;
-        }
-        chunks(pages, self.pool.pages_per_chunk()) + chunks(states, self.pool.slots_per_chunk())
-            <= u64::from(self.pool.num_chunks())
+        self.pool.could_ever_fit(pages as u64, states as u64)
     }
 
-    /// Allocate both or neither.
+    /// Do `pages` pages and `states` states fit together now?
+    pub fn fits(&self, pages: usize, states: usize) -> bool {
+        self.pool.fits(pages as u64, states as u64)
+    }
+
+    pub fn shadow(&self) -> Shadow<'_> {
+        self.pool.shadow()
+    }
+
+    /// Allocate both or neither, changing nothing when they do not fit together.
     pub fn try_alloc(
         &mut self,
         pages: usize,
         states: usize,
     ) -> Option<(Vec<HostPageId>, Vec<HostSlotId>)> {
+        if !self.fits(pages, states) {
+            return None;
+        }
         let p = self.pool.alloc(Kind::Pages, pages).ok()?;
-        let s = if states == 0 {
-            Vec::new()
-        } else {
-            match self.pool.alloc(Kind::Slots, states) {
-                Ok(s) => s,
-                Err(_) => {
-                    self.pool.free(Kind::Pages, &p).ok()?;
-                    return None;
-                }
-            }
-        };
+        let s = self.pool.alloc(Kind::Slots, states).ok()?;
         Some((
             p.into_iter().map(HostPageId).collect(),
             s.into_iter().map(HostSlotId).collect(),
@@ -63,8 +54,6 @@ impl Host {
     }
 
     pub fn free(&mut self, pages: &[u32], states: &[u32]) -> Result<()> {
-        self.pool
-            .check_owned(Kind::Slots, states, "host state slot")?;
         self.pool.free(Kind::Pages, pages)?;
         self.pool.free(Kind::Slots, states)
     }

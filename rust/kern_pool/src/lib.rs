@@ -3,6 +3,7 @@
 //! entries move to. No tensors and no I/O: every call that moves data returns a plan
 //! (`plan.rs`) and the runner moves the bytes.
 
+pub mod bits;
 pub mod cache;
 pub mod error;
 pub mod host;
@@ -17,6 +18,6 @@ mod py;
 pub use cache::{Cache, CacheConfig, CacheStats};
 pub use error::{KernError, Result};
 pub use ids::{HostPageId, HostSlotId, NodeId, PageId, SlotId};
-pub use plan::{EntryKey, Evicted, ParkPlan, WakePlan};
+pub use plan::{EntryKey, Evicted, ParkPlan, Room, WakePlan};
 pub use pool::{Kind, Pool, PoolStats};
-pub use prefix::{Inserted, Match, Prefix, PrefixStats, StateHit};
+pub use prefix::{Inserted, Match, Prefix, PrefixStats, StateHit, Tier};

@@ -19,12 +19,15 @@ pub struct WakePlan {
     pub woken: Vec<EntryKey>,
 }
 
-/// Names a tree entry: the whole token path from the root to the entry's end, and where the
-/// entry's own tokens start in it (page-aligned).
+/// Names a tree entry: where its own tokens start (page-aligned) and end in the path from the
+/// root. The path's tokens themselves are recorded only when the cache was asked to
+/// (`Cache::record_paths`, for tests): copying a 5,000-token path for every entry evicted was
+/// most of an eviction's cost, and no scheduler reads it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct EntryKey {
-    pub tokens: Vec<u32>,
     pub start: u32,
+    pub end: u32,
+    pub tokens: Option<Vec<u32>>,
 }
 
 /// What one step of the make-room loop took. Callers count evictions from these values alone.
@@ -38,4 +41,14 @@ pub enum Evicted {
     },
     /// The entry was removed; `parked` says whether it was in host memory.
     Dropped { key: EntryKey, parked: bool },
+}
+
+/// What `make_room` did: each step of the loop, the device room those steps gave back, and
+/// whether the room asked for is there now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Room {
+    pub evicted: Vec<Evicted>,
+    pub pages_freed: u64,
+    pub slots_freed: u64,
+    pub fits: bool,
 }

@@ -9,14 +9,24 @@
 //!   id, and the pool guarantees the views never overlap in use.
 //! - The chunk size scales with the budget (about `TARGET_CHUNKS` chunks at any budget): a fixed
 //!   small chunk gives 100k+ chunks on a large GPU and a start-up that maps for a minute.
-//! - Pages fill from the low end, slots from the high end, and each takes its lowest (pages) or
-//!   highest (slots) free position, so emptied chunks gather at the boundary where the other
-//!   class can take them.
+//! - The books are bitsets: one bit per position (allocated or not) and, per class, one bit per
+//!   chunk for "partly used" and "empty", plus counters. Allocating `n` objects and freeing
+//!   them are O(n) bit operations with no sorting and no ordered sets; `available` and `fits`
+//!   are O(1). A free checks every id by clearing its bit and puts the cleared bits back if a
+//!   later id fails, so a repeated or unknown id changes nothing and costs no extra pass.
+//! - A class fills its partly used chunks first (pages from the low end, slots from the high
+//!   end), then its own empty chunks, then claims one. Keeping empty chunks empty is what lets
+//!   the other class take them, and it makes `fits(pages, slots)` exact: the formula there
+//!   assumes this order, and with it an allocation of slots then pages (or pages then slots)
+//!   succeeds exactly when `fits` said so.
 //! - Tried and dropped: objects spanning several chunks. They need contiguous runs, and the
 //!   fragmentation that brings is worse than a chunk at least as large as the largest object.
+//!   Also dropped: a `BTreeSet` of free positions (what this file had): every free inserted
+//!   each id into a tree, ~76 us for a 4,700-page request with scattered ids.
 
-use std::collections::BTreeSet;
+use std::collections::HashMap;
 
+use crate::bits::{Bits, Divisor};
 use crate::error::{KernError, Result};
 
 /// About this many chunks at any budget (fewer when one object is larger than budget / this).
@@ -109,8 +119,8 @@ fn lcm(a: u64, b: u64) -> u64 {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
-    Pages,
-    Slots,
+    Pages = 0,
+    Slots = 1,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,19 +129,21 @@ enum Owner {
     Owned(Kind),
 }
 
-/// One object class: which positions exist (its chunks) and which are taken.
+/// One object class: which chunks it owns and which of their positions are taken.
 #[derive(Clone, Debug)]
 struct Class {
     kind: Kind,
     object_bytes: u64,
     per_chunk: u32,
-    /// Free positions inside chunks this class owns.
-    free: BTreeSet<u32>,
+    chunk_of: Divisor,
     /// One bit per position of the whole arena: allocated or not.
-    allocated: Vec<u64>,
+    allocated: Bits,
     used_in_chunk: Vec<u32>,
+    /// Owned chunks with some but not all positions allocated.
+    partial: Bits,
     /// Owned chunks with nothing allocated: the ones another class may take.
-    empty: BTreeSet<u32>,
+    empty: Bits,
+    num_empty: u32,
     owned: u32,
     used: u64,
     /// The class never shrinks below this many chunks (a stateful target keeps two slots).
@@ -140,79 +152,121 @@ struct Class {
 
 impl Class {
     fn new(kind: Kind, object_bytes: u64, per_chunk: u32, num_chunks: u32) -> Self {
-        let positions = u64::from(per_chunk) * u64::from(num_chunks);
         Class {
             kind,
             object_bytes,
             per_chunk,
-            free: BTreeSet::new(),
-            allocated: vec![0; positions.div_ceil(64) as usize],
+            chunk_of: Divisor::new(per_chunk),
+            allocated: Bits::new(per_chunk * num_chunks),
             used_in_chunk: vec![0; num_chunks as usize],
-            empty: BTreeSet::new(),
+            partial: Bits::new(num_chunks),
+            empty: Bits::new(num_chunks),
+            num_empty: 0,
             owned: 0,
             used: 0,
             floor_chunks: 0,
         }
     }
 
-    fn is_allocated(&self, pos: u32) -> bool {
-        self.allocated[(pos / 64) as usize] & (1u64 << (pos % 64)) != 0
-    }
-
-    fn set_allocated(&mut self, pos: u32, on: bool) {
-        let word = &mut self.allocated[(pos / 64) as usize];
-        if on {
-            *word |= 1u64 << (pos % 64);
-        } else {
-            *word &= !(1u64 << (pos % 64));
-        }
-    }
-
-    fn chunk_of(&self, pos: u32) -> u32 {
-        pos / self.per_chunk
+    fn free_positions(&self) -> u64 {
+        u64::from(self.owned) * u64::from(self.per_chunk) - self.used
     }
 
     fn releasable(&self) -> u32 {
-        (self.empty.len() as u32).min(self.owned.saturating_sub(self.floor_chunks))
+        self.num_empty
+            .min(self.owned.saturating_sub(self.floor_chunks))
     }
 
-    fn take(&mut self, pos: u32) {
-        let chunk = self.chunk_of(pos);
-        self.free.remove(&pos);
-        self.set_allocated(pos, true);
-        if self.used_in_chunk[chunk as usize] == 0 {
-            self.empty.remove(&chunk);
+    fn counts(&self) -> ClassCounts {
+        ClassCounts {
+            per: u64::from(self.per_chunk),
+            free: self.free_positions(),
+            empty: u64::from(self.num_empty),
+            owned: u64::from(self.owned),
+            floor: u64::from(self.floor_chunks),
         }
-        self.used_in_chunk[chunk as usize] += 1;
-        self.used += 1;
     }
 
-    fn give_back(&mut self, pos: u32) {
-        let chunk = self.chunk_of(pos);
-        self.set_allocated(pos, false);
-        self.free.insert(pos);
-        self.used_in_chunk[chunk as usize] -= 1;
-        if self.used_in_chunk[chunk as usize] == 0 {
-            self.empty.insert(chunk);
+    /// `k` positions of chunk `c` were just allocated (bits already set).
+    fn took(&mut self, c: u32, k: u32) {
+        let before = self.used_in_chunk[c as usize];
+        let after = before + k;
+        self.used_in_chunk[c as usize] = after;
+        self.used += u64::from(k);
+        if before == 0 {
+            self.empty.clear(c);
+            self.num_empty -= 1;
         }
-        self.used -= 1;
+        if after == self.per_chunk {
+            self.partial.clear(c);
+        } else {
+            self.partial.set(c);
+        }
+    }
+
+    /// `k` positions of chunk `c` were just freed (bits already cleared).
+    fn gave_back(&mut self, c: u32, k: u32) {
+        let after = self.used_in_chunk[c as usize] - k;
+        self.used_in_chunk[c as usize] = after;
+        self.used -= u64::from(k);
+        if after == 0 {
+            self.partial.clear(c);
+            self.empty.set(c);
+            self.num_empty += 1;
+        } else {
+            self.partial.set(c);
+        }
     }
 
     fn claim(&mut self, chunk: u32) {
-        let first = chunk * self.per_chunk;
-        self.free.extend(first..first + self.per_chunk);
-        self.empty.insert(chunk);
+        self.empty.set(chunk);
+        self.num_empty += 1;
         self.owned += 1;
     }
 
     fn release(&mut self, chunk: u32) {
-        let first = chunk * self.per_chunk;
-        for pos in first..first + self.per_chunk {
-            self.free.remove(&pos);
-        }
-        self.empty.remove(&chunk);
+        self.empty.clear(chunk);
+        self.num_empty -= 1;
         self.owned -= 1;
     }
+}
+
+/// The counters `fits` reads, for one class.
+#[derive(Clone, Copy, Debug, Default)]
+struct ClassCounts {
+    per: u64,
+    /// Free positions in owned chunks.
+    free: u64,
+    /// Owned chunks with nothing allocated.
+    empty: u64,
+    owned: u64,
+    floor: u64,
+}
+
+/// Could `a` pages and `b` slots be allocated together? Each class first fills the free
+/// positions of its partly used chunks, then its own empty chunks; what is left needs whole
+/// chunks from the free ones or from the other class's spare empty chunks (those it does not
+/// need itself, and for slots only above their floor). A class that needs chunks from outside
+/// has no spare empty chunks, so the two demands never compete for the same spares.
+fn fits(p: ClassCounts, s: Option<ClassCounts>, free_chunks: u64, a: u64, b: u64) -> bool {
+    let s = match s {
+        Some(s) => s,
+        None if b > 0 => return false,
+        None => ClassCounts::default(),
+    };
+    let chunks = |c: &ClassCounts, want: u64| -> (u64, u64) {
+        // (chunks needed beyond its own empties, its spare empty chunks)
+        if want == 0 {
+            return (0, c.empty);
+        }
+        let in_partial = c.free - c.empty * c.per;
+        let need = want.saturating_sub(in_partial).div_ceil(c.per);
+        (need.saturating_sub(c.empty), c.empty.saturating_sub(need))
+    };
+    let (need_p, spare_p) = chunks(&p, a);
+    let (need_s, spare_s) = chunks(&s, b);
+    let spare_s = spare_s.min(s.owned.saturating_sub(s.floor));
+    need_p.saturating_sub(spare_s) + need_s.saturating_sub(spare_p) <= free_chunks
 }
 
 /// Counters of one pool, as numbers a scheduler or a metrics endpoint reports.
@@ -235,7 +289,8 @@ pub struct Pool {
     chunk_bytes: u64,
     num_chunks: u32,
     owner: Vec<Owner>,
-    free_chunks: BTreeSet<u32>,
+    free_chunks: Bits,
+    num_free_chunks: u32,
     pages: Class,
     slots: Option<Class>,
 }
@@ -263,7 +318,7 @@ impl Pool {
         let base = budget_bytes.div_ceil(TARGET_CHUNKS).max(largest);
         let layout = Layout::new(base, page_bytes, slot_bytes);
         let chunk_bytes = layout.chunk_bytes;
-        let mut num_chunks = budget_bytes / chunk_bytes;
+        let num_chunks = budget_bytes / chunk_bytes;
         if num_chunks == 0 {
             // Rounding up to whole pages (and slot strides) overshot a budget that holds the
             // largest object.
@@ -273,9 +328,10 @@ impl Pool {
                 object_bytes: chunk_bytes,
             });
         }
-        num_chunks = num_chunks.min(u64::from(u32::MAX));
+        let num_chunks = num_chunks.min(u64::from(u32::MAX));
         let pages_per_chunk = u64::from(layout.pages_per_chunk);
-        if pages_per_chunk * num_chunks > u64::from(u32::MAX) {
+        let slots_per_chunk = u64::from(layout.slots_per_chunk);
+        if pages_per_chunk.max(slots_per_chunk) * num_chunks > u64::from(u32::MAX) {
             return Err(KernError::BudgetTooSmall {
                 what: "pool (more than 2^32 pages: use larger pages)",
                 budget_bytes,
@@ -296,7 +352,8 @@ impl Pool {
             chunk_bytes,
             num_chunks,
             owner: vec![Owner::Free; num_chunks as usize],
-            free_chunks: (0..num_chunks).collect(),
+            free_chunks: Bits::full(num_chunks),
+            num_free_chunks: num_chunks,
             pages,
             slots,
         };
@@ -335,6 +392,16 @@ impl Pool {
         self.slots.as_ref().map_or(0, |s| s.per_chunk)
     }
 
+    /// Page ids run over `0..num_pages`.
+    pub fn num_pages(&self) -> u32 {
+        self.pages.allocated.len()
+    }
+
+    /// Slot ids run over `0..num_slots` (0 without slots).
+    pub fn num_slots(&self) -> u32 {
+        self.slots.as_ref().map_or(0, |s| s.allocated.len())
+    }
+
     /// Bytes from slot `s` to slot `s + 1` (0 without slots): slot `s` sits at `s * stride`.
     pub fn slot_stride(&self) -> u64 {
         self.slots.as_ref().map_or(0, |s| s.object_bytes)
@@ -365,147 +432,181 @@ impl Pool {
         }
     }
 
-    /// How many objects of `kind` can be allocated now without evicting anything.
+    /// How many objects of `kind` can be allocated now without evicting anything (the other
+    /// class allocating nothing meanwhile).
     pub fn available(&self, kind: Kind) -> u64 {
         let Some(class) = self.class(kind) else {
             return 0;
         };
         let other = self.class(Self::other(kind)).map_or(0, Class::releasable);
-        class.free.len() as u64
-            + (self.free_chunks.len() as u64 + u64::from(other)) * u64::from(class.per_chunk)
+        class.free_positions()
+            + (u64::from(self.num_free_chunks) + u64::from(other)) * u64::from(class.per_chunk)
+    }
+
+    /// Can `pages` pages and `slots` slots be allocated together now, in either order?
+    pub fn fits(&self, pages: u64, slots: u64) -> bool {
+        fits(
+            self.pages.counts(),
+            self.slots.as_ref().map(Class::counts),
+            u64::from(self.num_free_chunks),
+            pages,
+            slots,
+        )
+    }
+
+    /// Could `pages` pages and `slots` slots ever be allocated together, with the pool empty?
+    pub fn could_ever_fit(&self, pages: u64, slots: u64) -> bool {
+        if slots > 0 && self.slots.is_none() {
+            return false;
+        }
+        let chunks = |n: u64, per: u32| n.div_ceil(u64::from(per.max(1)));
+        chunks(pages, self.pages.per_chunk) + chunks(slots, self.slots_per_chunk())
+            <= u64::from(self.num_chunks)
     }
 
     /// Take one more chunk for `kind`: a free one (lowest for pages, highest for slots), else an
-    /// empty chunk of the other class. The caller has checked that one exists.
-    fn claim_chunk(&mut self, kind: Kind) -> bool {
+    /// empty chunk of the other class above its floor. The caller has checked that one exists.
+    fn claim_chunk(&mut self, kind: Kind) -> Option<u32> {
         let chunk = match kind {
-            Kind::Pages => self.free_chunks.pop_first(),
-            Kind::Slots => self.free_chunks.pop_last(),
+            Kind::Pages => self.free_chunks.first(),
+            Kind::Slots => self.free_chunks.last(),
         };
         let chunk = match chunk {
-            Some(c) => c,
+            Some(c) => {
+                self.free_chunks.clear(c);
+                self.num_free_chunks -= 1;
+                c
+            }
             None => {
-                let Some(other) = self.class_mut(Self::other(kind)) else {
-                    return false;
-                };
+                let other = self.class_mut(Self::other(kind))?;
                 if other.releasable() == 0 {
-                    return false;
+                    return None;
                 }
                 let c = match kind {
-                    Kind::Pages => other.empty.first().copied(),
-                    Kind::Slots => other.empty.last().copied(),
-                };
-                let Some(c) = c else { return false };
+                    Kind::Pages => other.empty.first(),
+                    Kind::Slots => other.empty.last(),
+                }?;
                 other.release(c);
                 c
             }
         };
         self.owner[chunk as usize] = Owner::Owned(kind);
-        if let Some(class) = self.class_mut(kind) {
-            class.claim(chunk);
+        self.class_mut(kind)?.claim(chunk);
+        Some(chunk)
+    }
+
+    fn what(kind: Kind) -> &'static str {
+        match kind {
+            Kind::Pages => "pages",
+            Kind::Slots => "state slots",
         }
-        true
     }
 
     /// Allocate `n` objects of `kind`, all or nothing.
     pub fn alloc(&mut self, kind: Kind, n: usize) -> Result<Vec<u32>> {
-        let what = match kind {
-            Kind::Pages => "pages",
-            Kind::Slots => "state slots",
-        };
         if n == 0 {
             return Ok(Vec::new());
         }
-        if self.class(kind).is_none() {
-            return Err(KernError::PoolFull {
-                what,
-                needed: n as u64,
-                available: 0,
-            });
-        }
         let available = self.available(kind);
-        if (n as u64) > available {
+        if self.class(kind).is_none() || (n as u64) > available {
             return Err(KernError::PoolFull {
-                what,
+                what: Self::what(kind),
                 needed: n as u64,
                 available,
             });
         }
+        let up = kind == Kind::Pages;
         let mut out = Vec::with_capacity(n);
         while out.len() < n {
-            let Some(class) = self.class_mut(kind) else {
+            let chunk = {
+                let Some(class) = self.class(kind) else { break };
+                let found = if up {
+                    class.partial.first().or_else(|| class.empty.first())
+                } else {
+                    class.partial.last().or_else(|| class.empty.last())
+                };
+                match found {
+                    Some(c) => Some(c),
+                    None => self.claim_chunk(kind),
+                }
+            };
+            let (Some(c), Some(class)) = (chunk, self.class_mut(kind)) else {
                 break;
             };
-            let pos = match kind {
-                Kind::Pages => class.free.first().copied(),
-                Kind::Slots => class.free.last().copied(),
-            };
-            match pos {
-                Some(pos) => {
-                    class.take(pos);
-                    out.push(pos);
-                }
-                None => {
-                    let claimed = self.claim_chunk(kind);
-                    debug_assert!(claimed, "available() promised a chunk");
-                    if !claimed {
-                        // Unreachable if available() is right; undo rather than leave a half-done call.
-                        if let Some(class) = self.class_mut(kind) {
-                            for &pos in &out {
-                                class.give_back(pos);
-                            }
-                        }
-                        return Err(KernError::Corrupt(format!(
-                            "{what}: available() overcounted"
-                        )));
-                    }
-                }
-            }
+            let from = out.len();
+            let per = class.per_chunk;
+            class
+                .allocated
+                .take_clear(c * per, (c + 1) * per, up, n - from, &mut out);
+            class.took(c, (out.len() - from) as u32);
+        }
+        if out.len() < n {
+            // Unreachable if available() is right; undo rather than leave a half-done call.
+            self.free(kind, &out)?;
+            return Err(KernError::Corrupt(format!(
+                "{}: available() overcounted",
+                Self::what(kind)
+            )));
         }
         Ok(out)
     }
 
     /// Is `id` an allocated object of `kind`?
+    #[inline]
     pub fn is_allocated(&self, kind: Kind, id: u32) -> bool {
-        let Some(class) = self.class(kind) else {
-            return false;
-        };
-        let chunk = id / class.per_chunk;
-        chunk < self.num_chunks
-            && self.owner[chunk as usize] == Owner::Owned(kind)
-            && class.is_allocated(id)
+        self.class(kind).is_some_and(|c| c.allocated.get(id))
     }
 
-    /// Check that every id is allocated and named once, without changing anything.
-    pub fn check_owned(&self, kind: Kind, ids: &[u32], what: &'static str) -> Result<()> {
-        for &id in ids {
-            if !self.is_allocated(kind, id) {
-                return Err(KernError::NotAllocated { what, id });
-            }
-        }
-        // Sorting a copy beats hashing for the few hundred ids a request holds.
-        let mut sorted = ids.to_vec();
-        sorted.sort_unstable();
-        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
-            return Err(KernError::Repeated { what, id: w[0] });
-        }
-        Ok(())
-    }
-
-    /// Free objects of `kind`, all or nothing: a double free or an unknown id changes nothing.
+    /// Free objects of `kind`, all or nothing: a double free, a repeat or an unknown id
+    /// changes nothing and is named in the error.
     pub fn free(&mut self, kind: Kind, ids: &[u32]) -> Result<()> {
         let what = match kind {
             Kind::Pages => "page",
             Kind::Slots => "state slot",
         };
-        self.check_owned(kind, ids, what)?;
-        // check_owned passed, so a missing class means `ids` is empty.
-        if let Some(class) = self.class_mut(kind) {
-            for &id in ids {
-                class.give_back(id);
-            }
+        if ids.is_empty() {
+            return Ok(());
         }
+        let Some(class) = self.class_mut(kind) else {
+            return Err(KernError::NotAllocated { what, id: ids[0] });
+        };
+        if let Err(i) = class.allocated.clear_all(ids) {
+            let id = ids[i];
+            return Err(if ids[..i].contains(&id) {
+                KernError::Repeated { what, id }
+            } else {
+                KernError::NotAllocated { what, id }
+            });
+        }
+        // Ids mostly come in runs within a chunk: count a run, then book it once.
+        let (chunk_of, per) = (class.chunk_of, class.per_chunk);
+        let (mut run, mut k) = (chunk_of.quotient(ids[0]), 0u32);
+        let (mut lo, mut hi) = (run * per, run * per + per);
+        for &id in ids {
+            if id < lo || id >= hi {
+                class.gave_back(run, k);
+                run = chunk_of.quotient(id);
+                (lo, hi, k) = (run * per, run * per + per, 0);
+            }
+            k += 1;
+        }
+        class.gave_back(run, k);
         Ok(())
+    }
+
+    /// A view of the pool in which some objects are freed, without freeing them: to ask
+    /// whether room would fit before changing anything.
+    pub fn shadow(&self) -> Shadow<'_> {
+        Shadow {
+            pool: self,
+            freed: [HashMap::new(), HashMap::new()],
+            counts: [
+                self.pages.counts(),
+                self.slots
+                    .as_ref()
+                    .map_or_else(ClassCounts::default, Class::counts),
+            ],
+        }
     }
 
     pub fn stats(&self) -> PoolStats {
@@ -513,7 +614,7 @@ impl Pool {
         PoolStats {
             chunk_bytes: self.chunk_bytes,
             num_chunks: self.num_chunks,
-            free_chunks: self.free_chunks.len() as u32,
+            free_chunks: self.num_free_chunks,
             page_capacity: per(&self.pages),
             pages_used: self.pages.used,
             pages_free: self.available(Kind::Pages),
@@ -529,90 +630,112 @@ impl Pool {
         let mut free_chunks = 0u32;
         for (c, owner) in self.owner.iter().enumerate() {
             let c = c as u32;
-            match owner {
-                Owner::Free => {
-                    free_chunks += 1;
-                    if !self.free_chunks.contains(&c) {
-                        return bad(format!("free chunk {c} missing from the free set"));
-                    }
-                }
-                Owner::Owned(kind) => {
-                    if self.free_chunks.contains(&c) {
-                        return bad(format!("chunk {c} is owned and in the free set"));
-                    }
-                    if self.class(*kind).is_none() {
-                        return bad(format!("chunk {c} owned by a class the pool lacks"));
-                    }
+            let is_free = *owner == Owner::Free;
+            free_chunks += u32::from(is_free);
+            if is_free != self.free_chunks.get(c) {
+                return bad(format!(
+                    "chunk {c}: owner {owner:?} but free bit {}",
+                    !is_free
+                ));
+            }
+            if let Owner::Owned(kind) = owner {
+                if self.class(*kind).is_none() {
+                    return bad(format!("chunk {c} owned by a class the pool lacks"));
                 }
             }
         }
-        if free_chunks as usize != self.free_chunks.len() {
-            return bad("free chunk set has extra entries".into());
+        if free_chunks != self.num_free_chunks || u64::from(free_chunks) != self.free_chunks.count()
+        {
+            return bad("free chunk count disagrees with the owners".into());
         }
         for class in [Some(&self.pages), self.slots.as_ref()]
             .into_iter()
             .flatten()
         {
-            let (mut owned, mut used, mut free) = (0u32, 0u64, 0usize);
+            let k = class.kind;
+            let (mut owned, mut used, mut empty) = (0u32, 0u64, 0u32);
             for c in 0..self.num_chunks {
                 let first = c * class.per_chunk;
                 let in_chunk = (first..first + class.per_chunk)
-                    .filter(|&p| class.is_allocated(p))
-                    .count();
-                let mine = self.owner[c as usize] == Owner::Owned(class.kind);
+                    .filter(|&p| class.allocated.get(p))
+                    .count() as u32;
+                let mine = self.owner[c as usize] == Owner::Owned(k);
                 if !mine {
-                    if in_chunk != 0 {
+                    if in_chunk != 0 || class.partial.get(c) || class.empty.get(c) {
                         return bad(format!(
-                            "{:?}: chunk {c} not owned but has allocated objects",
-                            class.kind
+                            "{k:?}: chunk {c} not owned but marked in its books"
                         ));
                     }
                     continue;
                 }
                 owned += 1;
-                used += in_chunk as u64;
-                if class.used_in_chunk[c as usize] as usize != in_chunk {
+                used += u64::from(in_chunk);
+                empty += u32::from(in_chunk == 0);
+                if class.used_in_chunk[c as usize] != in_chunk {
                     return bad(format!(
-                        "{:?}: chunk {c} count {} != {in_chunk}",
-                        class.kind, class.used_in_chunk[c as usize]
+                        "{k:?}: chunk {c} count {} != {in_chunk}",
+                        class.used_in_chunk[c as usize]
                     ));
                 }
-                if (in_chunk == 0) != class.empty.contains(&c) {
-                    return bad(format!(
-                        "{:?}: chunk {c} empty-set membership wrong",
-                        class.kind
-                    ));
+                let partial = in_chunk > 0 && in_chunk < class.per_chunk;
+                if (in_chunk == 0) != class.empty.get(c) || partial != class.partial.get(c) {
+                    return bad(format!("{k:?}: chunk {c} empty/partial bits wrong"));
                 }
-                for p in first..first + class.per_chunk {
-                    if class.is_allocated(p) == class.free.contains(&p) {
-                        return bad(format!(
-                            "{:?}: position {p} both or neither free and allocated",
-                            class.kind
-                        ));
-                    }
-                }
-                free += class.per_chunk as usize - in_chunk;
             }
-            if owned != class.owned || used != class.used || free != class.free.len() {
+            if owned != class.owned || used != class.used || empty != class.num_empty {
                 return bad(format!(
-                    "{:?}: counters owned {} used {} free {} != recount {owned} {used} {free}",
-                    class.kind,
-                    class.owned,
-                    class.used,
-                    class.free.len()
+                    "{k:?}: counters owned {} used {} empty {} != recount {owned} {used} {empty}",
+                    class.owned, class.used, class.num_empty
                 ));
             }
-            if class.owned < class.floor_chunks {
-                return bad(format!("{:?}: shrank below its floor", class.kind));
+            if class.allocated.count() != used {
+                return bad(format!("{k:?}: allocated bits outside owned chunks"));
             }
-            debug_assert!(class.object_bytes * u64::from(class.per_chunk) <= self.chunk_bytes);
-            if class.kind == Kind::Slots
+            if class.owned < class.floor_chunks {
+                return bad(format!("{k:?}: shrank below its floor"));
+            }
+            if k == Kind::Slots
                 && class.object_bytes * u64::from(class.per_chunk) != self.chunk_bytes
             {
                 return bad("slot stride does not divide the chunk".into());
             }
         }
         Ok(())
+    }
+}
+
+/// A pool with some objects freed in thought only (see `Pool::shadow`).
+pub struct Shadow<'a> {
+    pool: &'a Pool,
+    /// Per class: chunk -> positions freed in it.
+    freed: [HashMap<u32, u32>; 2],
+    counts: [ClassCounts; 2],
+}
+
+impl Shadow<'_> {
+    /// Free `id` of `kind` in thought (the caller knows it is allocated, and names it once).
+    pub fn free(&mut self, kind: Kind, id: u32) {
+        let k = kind as usize;
+        let Some(class) = self.pool.class(kind) else {
+            return;
+        };
+        let c = class.chunk_of.quotient(id);
+        let n = self.freed[k].entry(c).or_insert(0);
+        *n += 1;
+        self.counts[k].free += 1;
+        if *n == class.used_in_chunk[c as usize] {
+            self.counts[k].empty += 1;
+        }
+    }
+
+    pub fn fits(&self, pages: u64, slots: u64) -> bool {
+        fits(
+            self.counts[0],
+            self.pool.slots.as_ref().map(|_| self.counts[1]),
+            u64::from(self.pool.num_free_chunks),
+            pages,
+            slots,
+        )
     }
 }
 

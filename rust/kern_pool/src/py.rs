@@ -2,21 +2,27 @@
 //! types, and one exception class per failure. Token ids and page ids cross as buffers
 //! (numpy uint32 arrays, `array('I')`, bytes) and come back as `bytes` of little-endian u32,
 //! never as one Python object per id. Long walks run with the GIL released. A panic never
-//! crosses: each entry point catches it and raises `CacheCorrupt` instead.
+//! crosses: each entry point catches it and raises `CacheCorrupt` instead. Integer arguments
+//! are read here, so a negative or oversized one is an `InvalidArgument` naming it, not
+//! pyo3's `OverflowError`.
+//!
+//! What only tests read sits behind `Cache._peek` (a match that changes nothing) and
+//! `Cache._record_paths` (keys that carry their token paths); the scheduler needs neither.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use pyo3::buffer::PyBuffer;
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt};
 
 use crate::cache::{Cache as CoreCache, CacheConfig, CacheStats};
 use crate::error::KernError;
 use crate::ids::{NodeId, SlotId};
 use crate::plan::{self, EntryKey as CoreKey};
 use crate::pool::Pool;
+use crate::prefix::Match as CoreMatch;
 
 create_exception!(
     kern._pool,
@@ -86,6 +92,12 @@ create_exception!(
 );
 create_exception!(
     kern._pool,
+    InvalidArgument,
+    PyValueError,
+    "An argument out of range (a negative count, an id past 2^32) or of the wrong type."
+);
+create_exception!(
+    kern._pool,
     CacheCorrupt,
     PyRuntimeError,
     "An internal invariant failed: a bug in kern_pool."
@@ -98,7 +110,8 @@ impl From<KernError> for PyErr {
             KernError::BudgetTooSmall { .. } | KernError::ZeroSize { .. } => {
                 BudgetTooSmall::new_err(msg)
             }
-            KernError::PoolFull { .. } => PoolFull::new_err(msg),
+            KernError::PoolFull { .. } | KernError::RoomFull { .. } => PoolFull::new_err(msg),
+            KernError::TooLong { .. } => LengthMismatch::new_err(msg),
             KernError::NotAllocated { .. } => NotAllocated::new_err(msg),
             KernError::Repeated { .. } => RepeatedId::new_err(msg),
             KernError::OwnedByCache { .. } => OwnedByCache::new_err(msg),
@@ -142,44 +155,186 @@ fn detached<T: Send>(
     }
 }
 
-/// Read a buffer of u32 without a Python object per id: a uint32 buffer (numpy, `array('I')`)
-/// or raw bytes holding little-endian u32.
-fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u32>> {
-    if let Ok(buf) = PyBuffer::<u32>::get(obj) {
-        return buf.to_vec(py);
+/// Ids read from a Python buffer: borrowed in place when the buffer already is what the
+/// crate reads (contiguous, aligned, this machine's byte order), else copied.
+struct U32s {
+    buf: Option<PyUntypedBuffer>,
+    len: usize,
+    owned: Vec<u32>,
+}
+
+impl U32s {
+    fn owned(owned: Vec<u32>) -> Self {
+        U32s {
+            buf: None,
+            len: owned.len(),
+            owned,
+        }
     }
-    if let Ok(buf) = PyBuffer::<u8>::get(obj) {
-        let bytes = buf.to_vec(py)?;
-        if bytes.len() % 4 != 0 {
+
+    fn as_slice(&self) -> &[u32] {
+        match &self.buf {
+            // SAFETY: `read_u32` borrows only a C-contiguous buffer of `len` u32s whose start
+            // is 4-aligned; the exporter keeps it alive and unmoved while `buf` holds the view.
+            // It is read only with the GIL held, so no Python code runs meanwhile (the stance of
+            // pyo3's `PyBuffer::as_slice`); walks that release the GIL read a copy.
+            Some(b) => unsafe { std::slice::from_raw_parts(b.buf_ptr() as *const u32, self.len) },
+            None => &self.owned,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// Read a buffer of u32 without a Python object per id: a buffer of 4-byte unsigned ints
+/// (numpy uint32 in either byte order, `array('I')`), or `bytes`/`bytearray` holding
+/// little-endian u32. Anything else, a uint8 array included, is `NotU32`.
+fn read_u32(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<U32s> {
+    let native_little = cfg!(target_endian = "little");
+    let borrow =
+        |buf: PyUntypedBuffer, little: bool, len: usize| -> Result<U32s, PyUntypedBuffer> {
+            if len == 0 || buf.buf_ptr().is_null() {
+                // An empty buffer may have no memory at all: never make a slice of it.
+                return Ok(U32s::owned(Vec::new()));
+            }
+            if little == native_little
+                && buf.is_c_contiguous()
+                && (buf.buf_ptr() as usize).is_multiple_of(4)
+            {
+                Ok(U32s {
+                    buf: Some(buf),
+                    len,
+                    owned: Vec::new(),
+                })
+            } else {
+                Err(buf)
+            }
+        };
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyByteArray>() {
+        let buf = PyUntypedBuffer::get(obj)?;
+        let n = buf.len_bytes();
+        if n % 4 != 0 {
             return Err(NotU32::new_err(format!(
-                "{what}: {} bytes is not a whole number of uint32 ids",
-                bytes.len()
+                "{what}: {n} bytes is not a whole number of uint32 ids"
             )));
         }
-        return Ok(bytes
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect());
+        let buf = match borrow(buf, true, n / 4) {
+            Ok(ids) => return Ok(ids),
+            Err(buf) => buf,
+        };
+        // SAFETY: bytes and bytearray are contiguous: `len_bytes` readable bytes at `buf_ptr`.
+        let raw = unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, n) };
+        return Ok(U32s::owned(decode(raw, true)));
+    }
+    let kind = || {
+        obj.get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "?".into())
+    };
+    let Ok(buf) = PyUntypedBuffer::get(obj) else {
+        return Err(NotU32::new_err(format!(
+            "{what} must be a buffer of uint32 (a numpy uint32 array, array('I') or bytes); got \
+             {}: not a buffer (convert with numpy.asarray(x, numpy.uint32))",
+            kind()
+        )));
+    };
+    let (order, code) = match buf.format().to_bytes() {
+        [c] => (b'@', *c),
+        [o, c] => (*o, *c),
+        _ => (b'?', b'?'),
+    };
+    let little = match order {
+        b'@' | b'=' => Some(native_little),
+        b'<' => Some(true),
+        b'>' | b'!' => Some(false),
+        _ => None,
+    };
+    let (Some(little), true, 4) = (little, matches!(code, b'I' | b'L'), buf.item_size()) else {
+        return Err(NotU32::new_err(format!(
+            "{what} must be a buffer of uint32 (a numpy uint32 array, array('I') or bytes); got \
+             {}: a buffer of format '{}', not uint32 (convert with \
+             numpy.asarray(x, numpy.uint32))",
+            kind(),
+            buf.format().to_string_lossy()
+        )));
+    };
+    let n = buf.item_count();
+    let buf = match borrow(buf, little, n) {
+        Ok(ids) => return Ok(ids),
+        Err(buf) => buf,
+    };
+    if buf.is_c_contiguous() {
+        // SAFETY: the exporter keeps `len_bytes` readable bytes at `buf_ptr` while `buf` lives.
+        let raw =
+            unsafe { std::slice::from_raw_parts(buf.buf_ptr() as *const u8, buf.len_bytes()) };
+        return Ok(U32s::owned(decode(raw, little)));
+    }
+    // A strided view: let Python make it contiguous, then read that.
+    let copy = py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((obj,))?
+        .call_method0("tobytes")?;
+    let raw: Vec<u8> = copy.extract()?;
+    Ok(U32s::owned(decode(&raw, little)))
+}
+
+/// u32s from raw bytes in the given order: one copy when that is the machine's order.
+fn decode(raw: &[u8], little: bool) -> Vec<u32> {
+    let n = raw.len() / 4;
+    let mut out: Vec<u32> = Vec::with_capacity(n);
+    // SAFETY: `out` has room for n u32s (4n bytes), `raw` holds at least 4n, and any bit
+    // pattern is a valid u32.
+    unsafe {
+        std::ptr::copy_nonoverlapping(raw.as_ptr(), out.as_mut_ptr() as *mut u8, n * 4);
+        out.set_len(n);
+    }
+    if little != cfg!(target_endian = "little") {
+        for x in &mut out {
+            *x = x.swap_bytes();
+        }
+    }
+    out
+}
+
+/// An integer argument (an int or anything with `__index__`, as numpy integers) in the range
+/// of `T`, or `InvalidArgument` naming it.
+fn int_arg<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
+    let bad = |why: String| InvalidArgument::new_err(format!("{name}: {why}"));
+    let index = if obj.is_instance_of::<PyInt>() {
+        obj.clone()
+    } else {
+        obj.call_method0("__index__").map_err(|_| {
+            let kind = obj
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into());
+            bad(format!("must be an int, got {kind}"))
+        })?
+    };
+    let shown = || index.repr().map_or_else(|_| "?".into(), |r| r.to_string());
+    let v: u64 = index
+        .extract()
+        .map_err(|_| bad(format!("{} is out of range", shown())))?;
+    T::try_from(v).map_err(|_| bad(format!("{} is out of range", shown())))
+}
+
+/// A bool argument (an int is refused: `park=0` is more likely a slip than a choice).
+fn bool_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    if obj.is_instance_of::<PyBool>() {
+        return obj.extract();
     }
     let kind = obj
         .get_type()
         .name()
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "?".into());
-    let format = py
-        .import("builtins")
-        .and_then(|b| b.getattr("memoryview"))
-        .and_then(|mv| mv.call1((obj,)))
-        .and_then(|view| view.getattr("format"))
-        .and_then(|f| f.extract::<String>());
-    let detail = match format {
-        Ok(f) => format!(
-            "a buffer of format '{f}', not uint32 (convert with numpy.asarray(x, numpy.uint32))"
-        ),
-        Err(_) => "not a buffer (convert with numpy.asarray(x, numpy.uint32))".to_string(),
-    };
-    Err(NotU32::new_err(format!(
-        "{what} must be a buffer of uint32 (a numpy uint32 array, array('I') or bytes); got {kind}: {detail}"
+    Err(InvalidArgument::new_err(format!(
+        "{name}: must be a bool, got {kind}"
     )))
 }
 
@@ -189,14 +344,21 @@ fn show<T: std::fmt::Display>(x: Option<T>) -> String {
 }
 
 fn u32_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
-    PyBytes::new_with(py, ids.len() * 4, |buf| {
-        for (dst, id) in buf.chunks_exact_mut(4).zip(ids) {
-            dst.copy_from_slice(&id.to_le_bytes());
-        }
-        Ok(())
-    })
-    .expect("filling a fresh bytes object cannot fail")
+    if cfg!(target_endian = "little") {
+        // SAFETY: a u32 slice is 4 * len initialised bytes, in little-endian order here.
+        let raw = unsafe { std::slice::from_raw_parts(ids.as_ptr() as *const u8, ids.len() * 4) };
+        return PyBytes::new(py, raw);
+    }
+    let mut raw = Vec::with_capacity(ids.len() * 4);
+    for id in ids {
+        raw.extend_from_slice(&id.to_le_bytes());
+    }
+    PyBytes::new(py, &raw)
 }
+
+/// Walks of keys this long or longer run with the GIL released. Releasing and taking it back
+/// cost about 0.5 us here, half a 4,096-token match; a 32,768-token walk takes several us.
+const DETACH_TOKENS: usize = 32_768;
 
 /// The longest cached prefix of a key (see `Cache.match`).
 #[pyclass(frozen, module = "kern._pool")]
@@ -235,65 +397,66 @@ impl Match {
     }
 }
 
-/// What `Cache.insert` left to the caller.
-#[pyclass(frozen, module = "kern._pool")]
+impl From<CoreMatch> for Match {
+    fn from(m: CoreMatch) -> Self {
+        Match {
+            hit_len: m.hit_len,
+            resident_len: m.resident_len,
+            node: m.node.map(NodeId::to_u64),
+            pages: m.pages.into_iter().map(|p| p.0).collect(),
+            state_len: m.state.map(|s| s.len),
+            state_slot: m.state.and_then(|s| s.slot).map(|s| s.0),
+        }
+    }
+}
+
+/// What `Cache.insert` did.
+#[pyclass(frozen, module = "kern._pool", get_all)]
 pub struct Inserted {
-    duplicates: Vec<u32>,
-    #[pyo3(get)]
-    state_duplicate: Option<u32>,
-    #[pyo3(get)]
-    node: Option<u64>,
+    /// Leading tokens of the key the tree held before (what a match would have hit).
+    held: u32,
+    /// Parked entries the caller's pages made resident (woken without a copy).
+    woken: u32,
 }
 
 #[pymethods]
 impl Inserted {
-    /// Pages the tree already held: the caller frees them.
-    #[getter]
-    fn duplicates<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        u32_bytes(py, &self.duplicates)
-    }
-
     fn __repr__(&self) -> String {
-        format!(
-            "Inserted(duplicates={}, state_duplicate={}, node={})",
-            self.duplicates.len(),
-            show(self.state_duplicate),
-            show(self.node)
-        )
+        format!("Inserted(held={}, woken={})", self.held, self.woken)
     }
 }
 
-/// A tree entry: its whole token path and where its own tokens start.
+/// A tree entry: where its own tokens start and end in its path; the path's tokens only when
+/// the cache records them (a test-only switch).
 #[pyclass(frozen, module = "kern._pool", from_py_object)]
 #[derive(Clone)]
 pub struct EntryKey {
-    tokens: Vec<u32>,
     #[pyo3(get)]
     start: u32,
+    #[pyo3(get)]
+    end: u32,
+    tokens: Option<Vec<u32>>,
 }
 
 #[pymethods]
 impl EntryKey {
+    /// The whole token path from the root to `end`, or None unless the cache records paths.
     #[getter]
-    fn tokens<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        u32_bytes(py, &self.tokens)
-    }
-
-    #[getter]
-    fn end(&self) -> usize {
-        self.tokens.len()
+    fn tokens<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.tokens.as_deref().map(|t| u32_bytes(py, t))
     }
 
     fn __repr__(&self) -> String {
-        format!("EntryKey(start={}, end={})", self.start, self.tokens.len())
+        format!("EntryKey(start={}, end={})", self.start, self.end)
     }
 }
 
 impl From<CoreKey> for EntryKey {
     fn from(k: CoreKey) -> Self {
         EntryKey {
-            tokens: k.tokens,
             start: k.start,
+            end: k.end,
+            tokens: k.tokens,
         }
     }
 }
@@ -418,6 +581,49 @@ impl From<plan::Evicted> for Evicted {
     }
 }
 
+/// What `Cache.make_room` did: each step of the loop (land every park plan before allocating),
+/// the device pages and slots those steps gave back, and whether the room asked for is there.
+#[pyclass(frozen, module = "kern._pool")]
+pub struct Room {
+    evicted: Vec<plan::Evicted>,
+    #[pyo3(get)]
+    pages_freed: u64,
+    #[pyo3(get)]
+    slots_freed: u64,
+    #[pyo3(get)]
+    fits: bool,
+}
+
+#[pymethods]
+impl Room {
+    /// The steps, oldest first.
+    #[getter]
+    fn evicted(&self) -> Vec<Evicted> {
+        self.evicted.iter().cloned().map(Evicted::from).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Room(evicted={}, pages_freed={}, slots_freed={}, fits={})",
+            self.evicted.len(),
+            self.pages_freed,
+            self.slots_freed,
+            if self.fits { "True" } else { "False" }
+        )
+    }
+}
+
+impl From<plan::Room> for Room {
+    fn from(r: plan::Room) -> Self {
+        Room {
+            evicted: r.evicted,
+            pages_freed: r.pages_freed,
+            slots_freed: r.slots_freed,
+            fits: r.fits,
+        }
+    }
+}
+
 /// How one arena (the device budget or the host tier) is cut: `num_chunks` chunks of
 /// `chunk_bytes`; page `p` at byte `p * page_bytes`, slot `s` at byte `s * slot_stride`. The
 /// runner allocates exactly `num_chunks * chunk_bytes` bytes and views them both ways.
@@ -535,30 +741,49 @@ impl From<CacheStats> for Stats {
 #[pyclass(module = "kern._pool")]
 pub struct Cache {
     inner: CoreCache,
+    /// What `make_room` returns when the room is there already (a frozen value, shared).
+    no_room_needed: Py<Room>,
 }
 
 #[pymethods]
 impl Cache {
     #[new]
-    #[pyo3(signature = (*, page_tokens, page_bytes, device_bytes, state_bytes = 0, host_bytes = 0, min_slots = 2))]
+    #[pyo3(
+        signature = (*, page_tokens, page_bytes, device_bytes, state_bytes = None, host_bytes = None, min_slots = None),
+        text_signature = "(*, page_tokens, page_bytes, device_bytes, state_bytes=0, host_bytes=0, min_slots=2)"
+    )]
     fn new(
-        page_tokens: u32,
-        page_bytes: u64,
-        device_bytes: u64,
-        state_bytes: u64,
-        host_bytes: u64,
-        min_slots: u32,
+        page_tokens: &Bound<'_, PyAny>,
+        page_bytes: &Bound<'_, PyAny>,
+        device_bytes: &Bound<'_, PyAny>,
+        state_bytes: Option<&Bound<'_, PyAny>>,
+        host_bytes: Option<&Bound<'_, PyAny>>,
+        min_slots: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let cfg = CacheConfig {
-            page_tokens,
-            page_bytes,
-            state_bytes,
-            device_bytes,
-            host_bytes,
-            min_slots,
+        let opt = |x: Option<&Bound<'_, PyAny>>, name: &str, default: u64| -> PyResult<u64> {
+            x.map_or(Ok(default), |v| int_arg(v, name))
         };
+        let cfg = CacheConfig {
+            page_tokens: int_arg(page_tokens, "page_tokens")?,
+            page_bytes: int_arg(page_bytes, "page_bytes")?,
+            state_bytes: opt(state_bytes, "state_bytes", 0)?,
+            device_bytes: int_arg(device_bytes, "device_bytes")?,
+            host_bytes: opt(host_bytes, "host_bytes", 0)?,
+            min_slots: min_slots.map_or(Ok(2), |v| int_arg(v, "min_slots"))?,
+        };
+        let inner = guarded(|| CoreCache::new(cfg))?;
+        let no_room_needed = Py::new(
+            page_tokens.py(),
+            Room {
+                evicted: Vec::new(),
+                pages_freed: 0,
+                slots_freed: 0,
+                fits: true,
+            },
+        )?;
         Ok(Cache {
-            inner: guarded(|| CoreCache::new(cfg))?,
+            inner,
+            no_room_needed,
         })
     }
 
@@ -576,33 +801,29 @@ impl Cache {
     fn host(&self) -> Option<Geometry> {
         self.inner.host_pool().map(Geometry::from)
     }
-    /// Pages allocatable now without evicting anything (cheap; `stats()` recounts the tree).
+    /// Pages allocatable now without evicting anything.
     #[getter]
     fn pages_free(&self) -> u64 {
         self.inner.pool().available(crate::pool::Kind::Pages)
     }
 
+    /// The longest cached prefix of `tokens`, locked: call `unlock(m.node)` once when done.
     #[pyo3(name = "match")]
     fn match_(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Match> {
         let tokens = read_u32(py, tokens, "tokens")?;
         let inner = &mut self.inner;
-        let m = detached(py, || Ok(inner.match_prefix(&tokens)))?;
-        Ok(Match {
-            hit_len: m.hit_len,
-            resident_len: m.resident_len,
-            node: m.node.map(NodeId::to_u64),
-            pages: m.pages.into_iter().map(|p| p.0).collect(),
-            state_len: m.state.map(|s| s.len),
-            state_slot: m.state.and_then(|s| s.slot).map(|s| s.0),
-        })
+        let m = if tokens.len() >= DETACH_TOKENS {
+            let tokens = tokens.as_slice().to_vec();
+            detached(py, || Ok(inner.match_prefix(&tokens)))?
+        } else {
+            guarded(|| Ok(inner.match_prefix(tokens.as_slice())))?
+        };
+        Ok(m.into())
     }
 
-    fn lock(&mut self, node: u64) -> PyResult<()> {
-        guarded(|| self.inner.lock(NodeId::from_u64(node)))
-    }
-
-    fn unlock(&mut self, node: u64) -> PyResult<()> {
-        guarded(|| self.inner.unlock(NodeId::from_u64(node)))
+    fn unlock(&mut self, node: &Bound<'_, PyAny>) -> PyResult<()> {
+        let node = NodeId::from_u64(int_arg(node, "node")?);
+        guarded(|| self.inner.unlock(node))
     }
 
     #[pyo3(signature = (tokens, pages, state = None))]
@@ -611,38 +832,58 @@ impl Cache {
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         pages: &Bound<'_, PyAny>,
-        state: Option<u32>,
+        state: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Inserted> {
         let tokens = read_u32(py, tokens, "tokens")?;
         let pages = read_u32(py, pages, "pages")?;
+        let state = state.map(|s| int_arg(s, "state")).transpose()?.map(SlotId);
         let inner = &mut self.inner;
-        let r = detached(py, || inner.insert(&tokens, &pages, state.map(SlotId)))?;
+        let r = if tokens.len() >= DETACH_TOKENS {
+            let (tokens, pages) = (tokens.as_slice().to_vec(), pages.as_slice().to_vec());
+            detached(py, || inner.insert(&tokens, &pages, state))?
+        } else {
+            guarded(|| inner.insert(tokens.as_slice(), pages.as_slice(), state))?
+        };
         Ok(Inserted {
-            duplicates: r.duplicates.into_iter().map(|p| p.0).collect(),
-            state_duplicate: r.state_duplicate.map(|s| s.0),
-            node: r.node.map(NodeId::to_u64),
+            held: r.held,
+            woken: r.woken,
         })
     }
 
-    #[pyo3(signature = (pages, slots = 0, park = true))]
+    #[pyo3(
+        signature = (pages = None, slots = None, park = None),
+        text_signature = "($self, pages=0, slots=0, park=True)"
+    )]
     fn make_room(
         &mut self,
         py: Python<'_>,
-        pages: u64,
-        slots: u64,
-        park: bool,
-    ) -> PyResult<Vec<Evicted>> {
+        pages: Option<&Bound<'_, PyAny>>,
+        slots: Option<&Bound<'_, PyAny>>,
+        park: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<Room>> {
+        let pages: u64 = pages.map_or(Ok(0), |v| int_arg(v, "pages"))?;
+        let slots: u64 = slots.map_or(Ok(0), |v| int_arg(v, "slots"))?;
+        let park = park.map_or(Ok(true), |v| bool_arg(v, "park"))?;
+        if self.inner.pool().fits(pages, slots) {
+            return Ok(self.no_room_needed.clone_ref(py));
+        }
         let inner = &mut self.inner;
-        let taken = detached(py, || Ok(inner.make_room(pages, slots, park)))?;
-        Ok(taken.into_iter().map(Evicted::from).collect())
+        let room: Room = detached(py, || Ok(inner.make_room(pages, slots, park)))?.into();
+        Py::new(py, room)
     }
 
-    fn wake(&mut self, py: Python<'_>, node: u64) -> PyResult<Woken> {
+    fn wake(&mut self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<Woken> {
+        let node = NodeId::from_u64(int_arg(node, "node")?);
         let inner = &mut self.inner;
-        Ok(detached(py, || inner.wake(NodeId::from_u64(node)))?.into())
+        Ok(detached(py, || inner.wake(node))?.into())
     }
 
-    fn alloc_pages<'py>(&mut self, py: Python<'py>, n: usize) -> PyResult<Bound<'py, PyBytes>> {
+    fn alloc_pages<'py>(
+        &mut self,
+        py: Python<'py>,
+        n: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let n: usize = int_arg(n, "n")?;
         let pages = guarded(|| self.inner.alloc_pages(n))?;
         let ids: Vec<u32> = pages.into_iter().map(|p| p.0).collect();
         Ok(u32_bytes(py, &ids))
@@ -650,15 +891,16 @@ impl Cache {
 
     fn free_pages(&mut self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let pages = read_u32(py, pages, "pages")?;
-        guarded(|| self.inner.free_pages(&pages))
+        guarded(|| self.inner.free_pages(pages.as_slice()))
     }
 
     fn alloc_slot(&mut self) -> PyResult<u32> {
         guarded(|| self.inner.alloc_slot()).map(|s| s.0)
     }
 
-    fn free_slot(&mut self, slot: u32) -> PyResult<()> {
-        guarded(|| self.inner.free_slot(SlotId(slot)))
+    fn free_slot(&mut self, slot: &Bound<'_, PyAny>) -> PyResult<()> {
+        let slot = SlotId(int_arg(slot, "slot")?);
+        guarded(|| self.inner.free_slot(slot))
     }
 
     fn stats(&self) -> PyResult<Stats> {
@@ -668,6 +910,19 @@ impl Cache {
     fn check_integrity(&self, py: Python<'_>) -> PyResult<()> {
         let inner = &self.inner;
         detached(py, || inner.check_integrity())
+    }
+
+    /// Test-only: what `match` would return, changing nothing (no split, no refresh, no lock).
+    fn _peek(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Match> {
+        let tokens = read_u32(py, tokens, "tokens")?;
+        Ok(guarded(|| Ok(self.inner.peek(tokens.as_slice())))?.into())
+    }
+
+    /// Test-only: record each evicted or woken entry's whole token path in its key.
+    fn _record_paths(&mut self, on: &Bound<'_, PyAny>) -> PyResult<()> {
+        let on = bool_arg(on, "on")?;
+        self.inner.record_paths(on);
+        Ok(())
     }
 }
 
@@ -680,6 +935,7 @@ fn _pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CopyPlan>()?;
     m.add_class::<Woken>()?;
     m.add_class::<Evicted>()?;
+    m.add_class::<Room>()?;
     m.add_class::<Stats>()?;
     m.add_class::<Geometry>()?;
     let py = m.py();
@@ -695,6 +951,7 @@ fn _pool(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("SharedPageExtended", py.get_type::<SharedPageExtended>()),
         ("NotU32", py.get_type::<NotU32>()),
         ("NoHostTier", py.get_type::<NoHostTier>()),
+        ("InvalidArgument", py.get_type::<InvalidArgument>()),
         ("CacheCorrupt", py.get_type::<CacheCorrupt>()),
     ] {
         m.add(name, ty)?;

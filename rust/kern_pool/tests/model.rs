@@ -2,11 +2,14 @@
 //! device pages, state slots and host slots that records which tokens each one holds. After
 //! every step the cache checks its own invariants, every hit reads back exactly its tokens,
 //! and the eviction counters equal what the returned values said. At the end, evicting
-//! everything must bring every counter back to where it started.
+//! everything must bring every counter back to where it started. Without a host tier, a model
+//! of every cached page's last use also checks that each evicted entry is, page by page, the
+//! coldest unlocked page with nothing under it: exact LRU. (The Python model,
+//! `tests/test_pool_model.py`, checks the order with a host tier too.)
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use kern_pool::{Cache, CacheConfig, Evicted, KernError};
+use kern_pool::{Cache, CacheConfig, EntryKey, Evicted, KernError};
 use proptest::prelude::*;
 
 /// What a page or slot holds: the tokens written into it (pages) or the prefix a state
@@ -50,6 +53,170 @@ fn land(mem: &mut Memory, counts: &mut Counts, taken: Vec<Evicted>) {
     }
 }
 
+/// A cached page: the tokens before it and its own.
+type PageKey = (Vec<u32>, Vec<u32>);
+
+/// Every cached page with the tick of its last use and the locks that cover it, updated from
+/// what the cache returned and the rules of `docs/pool.md` alone.
+struct Recency {
+    pt: usize,
+    pages: HashMap<PageKey, (u64, u32)>,
+    clock: u64,
+    /// The paths that end at a state snapshot.
+    snaps: HashSet<Vec<u32>>,
+}
+
+impl Recency {
+    fn keys_of(&self, tokens: &[u32]) -> Vec<PageKey> {
+        (0..tokens.len().div_ceil(self.pt))
+            .map(|g| {
+                let hi = ((g + 1) * self.pt).min(tokens.len());
+                (
+                    tokens[..g * self.pt].to_vec(),
+                    tokens[g * self.pt..hi].to_vec(),
+                )
+            })
+            .collect()
+    }
+
+    /// The pages a match of `q` reads, and its hit: the longest path, unless a page shorter
+    /// than a page at a page boundary it passed ends at a snapshot deeper than any on it.
+    fn lookup(&self, q: &[u32]) -> (usize, Vec<PageKey>) {
+        let (hit, read) = self.lookup_longest(q);
+        let pt = self.pt;
+        let path = |k: &PageKey| [&k.0[..], &k.1[..]].concat();
+        let deepest = read
+            .iter()
+            .filter(|k| Self::end(k) <= hit && self.snaps.contains(&path(k)))
+            .map(Self::end)
+            .max()
+            .unwrap_or(0);
+        let mut best: Option<(usize, PageKey)> = None;
+        for g in 0..=read.len() {
+            let h = g * pt;
+            if h > hit || (g > 0 && read[g - 1].1.len() < pt) {
+                break;
+            }
+            let rest = &q[h..];
+            for p in self.pages.keys().filter(|p| p.0 == q[..h]) {
+                let end = h + p.1.len();
+                if p.1.len() < pt
+                    && p.1.len() <= rest.len()
+                    && rest[..p.1.len()] == p.1[..]
+                    && self.snaps.contains(&path(p))
+                    && end > best.as_ref().map_or(deepest, |b| b.0)
+                {
+                    best = Some((end, p.clone()));
+                }
+            }
+        }
+        match best {
+            Some((end, p)) => {
+                let mut read = read[..p.0.len() / pt].to_vec();
+                read.push(p);
+                (end, read)
+            }
+            None => (hit, read),
+        }
+    }
+
+    /// The pages the longest cached path of `q` reads, and its hit.
+    fn lookup_longest(&self, q: &[u32]) -> (usize, Vec<PageKey>) {
+        let (pt, mut hit, mut read) = (self.pt, 0, Vec::new());
+        loop {
+            let rest = &q[hit..];
+            let k = (q[..hit].to_vec(), rest[..rest.len().min(pt)].to_vec());
+            if rest.len() >= pt && self.pages.contains_key(&k) {
+                read.push(k);
+                hit += pt;
+                continue;
+            }
+            let here: Vec<&PageKey> = self.pages.keys().filter(|p| p.0 == q[..hit]).collect();
+            let exact = here.iter().find(|p| p.1 == rest);
+            let inside = here
+                .iter()
+                .filter(|p| rest.len() < pt && p.1.len() > rest.len() && p.1[..rest.len()] == *rest)
+                .max_by_key(|p| self.pages[**p].0);
+            let shorter = here
+                .iter()
+                .filter(|p| {
+                    p.1.len() < pt && p.1.len() <= rest.len() && rest[..p.1.len()] == p.1[..]
+                })
+                .max_by_key(|p| p.1.len());
+            if let (false, Some(p)) = (rest.is_empty(), exact.or(inside)) {
+                read.push((*p).clone());
+                hit = q.len();
+            } else if let Some(p) = shorter {
+                read.push((*p).clone());
+                hit += p.1.len();
+            }
+            return (hit, read);
+        }
+    }
+
+    fn touch(&mut self, keys: &[PageKey]) {
+        self.clock += 1;
+        for k in keys {
+            self.pages.get_mut(k).expect("touched page cached").0 = self.clock;
+        }
+    }
+
+    fn lock(&mut self, keys: &[PageKey], by: i32) {
+        for k in keys {
+            let e = self.pages.get_mut(k).expect("locked page cached");
+            e.1 = e.1.checked_add_signed(by).expect("lock count");
+        }
+    }
+
+    fn end(k: &PageKey) -> usize {
+        k.0.len() + k.1.len()
+    }
+
+    /// The entry left the device: its pages, deepest first, must each be the coldest unlocked
+    /// page with no page under it when it went.
+    fn evicted(&mut self, key: &EntryKey) {
+        let tokens = key.tokens.as_ref().expect("paths recorded");
+        let keys = self.keys_of(tokens)[key.start as usize / self.pt..].to_vec();
+        for k in keys.iter().rev() {
+            let candidates = self.pages.iter().filter(|(p, e)| {
+                e.1 == 0
+                    && !(p.1.len() == self.pt
+                        && self.pages.keys().any(|c| {
+                            c.0.len() == Self::end(p)
+                                && c.0[..] == [&p.0[..], &p.1[..]].concat()[..]
+                        }))
+            });
+            let coldest = candidates
+                .min_by_key(|(p, e)| (e.0, std::cmp::Reverse(Self::end(p))))
+                .map(|(p, _)| p.clone());
+            assert_eq!(coldest.as_ref(), Some(k), "evicted {k:?} out of LRU order");
+            self.pages.remove(k);
+            self.snaps.remove(&[&k.0[..], &k.1[..]].concat());
+        }
+    }
+
+    /// An insert: the key's pages are cached and used now; a key ending inside a page the tree
+    /// holds adds no page of its own unless a snapshot needs one.
+    fn insert(&mut self, tokens: &[u32], snapshot: bool) {
+        let (hit, read) = self.lookup_longest(tokens);
+        if snapshot {
+            self.snaps.insert(tokens.to_vec());
+        }
+        let mut keys = self.keys_of(tokens);
+        let mut touched = keys.clone();
+        let last = keys.last().cloned();
+        if hit == tokens.len() && read.last() != last.as_ref() && !snapshot {
+            keys.pop();
+            touched = keys.clone();
+            touched.extend(read.last().cloned());
+        }
+        for k in &keys {
+            self.pages.entry(k.clone()).or_insert((0, 0));
+        }
+        self.touch(&touched);
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Request {
@@ -89,12 +256,31 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
     let mut mem = Memory::default();
     let mut counts = Counts::default();
     let pt = page_tokens as usize;
+    // The order check needs the entries' paths and no parked tier.
+    let mut recency = (host_pages == 0).then(|| Recency {
+        pt,
+        pages: HashMap::new(),
+        clock: 0,
+        snaps: HashSet::new(),
+    });
+    cache.record_paths(recency.is_some());
+    let check_order = |recency: &mut Option<Recency>, evicted: &[Evicted]| {
+        if let Some(r) = recency.as_mut() {
+            for e in evicted {
+                match e {
+                    Evicted::Dropped { key, parked: false } => r.evicted(key),
+                    other => panic!("no host tier, yet {other:?}"),
+                }
+            }
+        }
+    };
 
     for op in ops {
         match op {
             Op::MakeRoom { pages, park } => {
-                let taken = cache.make_room(pages, 0, park);
-                land(&mut mem, &mut counts, taken);
+                let room = cache.make_room(pages, 0, park);
+                check_order(&mut recency, &room.evicted);
+                land(&mut mem, &mut counts, room.evicted);
             }
             Op::Request {
                 base,
@@ -107,22 +293,27 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                     continue;
                 }
                 let snapshot = snapshot && stateful;
-                let m = cache.match_prefix(&tokens);
+                // Match locks what it returns.
+                let mut m = cache.match_prefix(&tokens);
                 let mut hit = m.hit_len as usize;
-                if let Some(node) = m.node {
-                    cache.lock(node).unwrap();
+                let mut locked = Vec::new();
+                if let Some(r) = recency.as_mut() {
+                    let (want, read) = r.lookup(&tokens);
+                    assert_eq!(want, hit, "hit of {tokens:?}");
+                    r.lock(&read, 1);
+                    r.touch(&read);
+                    locked = read;
                 }
                 // Wake a parked hit, making room first if needed.
-                let mut m = m;
                 if m.resident_len < m.hit_len {
                     let node = m.node.unwrap();
                     let plan = loop {
                         match cache.wake(node) {
                             Ok(plan) => break Some(plan),
-                            Err(KernError::PoolFull { needed, .. }) => {
-                                let taken = cache.make_room(needed, 1, true);
-                                let stuck = taken.is_empty();
-                                land(&mut mem, &mut counts, taken);
+                            Err(KernError::RoomFull { pages, slots, .. }) => {
+                                let room = cache.make_room(pages, slots, true);
+                                let stuck = room.evicted.is_empty();
+                                land(&mut mem, &mut counts, room.evicted);
                                 if stuck {
                                     break None;
                                 }
@@ -143,7 +334,11 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                             mem.dev_slots.insert(d.0, v);
                         }
                     }
-                    m = cache.match_prefix(&tokens);
+                    // Read the woken pages: a second match, its own lock, and the first one
+                    // released.
+                    let again = cache.match_prefix(&tokens);
+                    cache.unlock(node).unwrap();
+                    m = again;
                 }
                 // Whatever is resident must read back as exactly the hit's tokens.
                 let resident = m.resident_len as usize;
@@ -162,11 +357,15 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                 let shared = hit / pt;
                 let total = tokens.len().div_ceil(pt);
                 let need = (total - shared) as u64 + u64::from(snapshot);
-                let taken = cache.make_room(need, u64::from(snapshot), true);
-                land(&mut mem, &mut counts, taken);
+                let room = cache.make_room(need, u64::from(snapshot), true);
+                check_order(&mut recency, &room.evicted);
+                land(&mut mem, &mut counts, room.evicted);
                 let Ok(fresh) = cache.alloc_pages(total - shared) else {
                     if let Some(node) = m.node {
                         cache.unlock(node).unwrap();
+                    }
+                    if let Some(r) = recency.as_mut() {
+                        r.lock(&locked, -1);
                     }
                     cache.check_integrity().unwrap();
                     continue;
@@ -191,23 +390,32 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                 } else {
                     None
                 };
+                // The tree takes what it lacks and frees the rest: every page and the slot are
+                // the tree's or free afterwards.
                 let ins = cache.insert(&tokens, &pages, state).unwrap();
-                for d in &ins.duplicates {
-                    mem.dev_pages.remove(&d.0);
+                assert!(ins.held as usize >= hit);
+                if let Some(r) = recency.as_mut() {
+                    r.insert(&tokens, state.is_some());
+                    r.lock(&locked, -1);
                 }
-                cache
-                    .free_pages(&ins.duplicates.iter().map(|p| p.0).collect::<Vec<_>>())
-                    .unwrap();
-                if let Some(s) = ins.state_duplicate {
-                    mem.dev_slots.remove(&s.0);
-                    cache.free_slot(s).unwrap();
+                for p in &pages {
+                    assert!(
+                        cache.owns_page(*p) || cache.free_pages(&[*p]).is_err(),
+                        "page {p} neither the tree's nor free"
+                    );
                 }
                 if let Some(node) = m.node {
                     cache.unlock(node).unwrap();
                 }
-                // The request's own tokens now hit in full.
-                let again = cache.match_prefix(&tokens);
-                assert_eq!(again.hit_len as usize, tokens.len());
+                // The request's own tokens now hit in full, unless (no snapshot at their end)
+                // a deeper snapshot sits on a short sibling off their path.
+                let again = cache.peek(&tokens);
+                assert!(
+                    again.hit_len as usize == tokens.len()
+                        || (state.is_none() && again.state.is_some_and(|s| s.len == again.hit_len)),
+                    "{tokens:?} hits {} after its insert",
+                    again.hit_len
+                );
             }
         }
         cache.check_integrity().unwrap();
@@ -231,8 +439,10 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
     }
     // Evict everything resident: the device back at its start. What stays is parked entries,
     // and the host holds exactly their pages (check_integrity recounts that).
-    let taken = cache.make_room(u64::MAX, u64::MAX, false);
-    land(&mut mem, &mut counts, taken);
+    let all = u64::from(cache.pool().num_pages());
+    let room = cache.make_room(all, 0, false);
+    check_order(&mut recency, &room.evicted);
+    land(&mut mem, &mut counts, room.evicted);
     cache.check_integrity().unwrap();
     let end = cache.stats();
     assert_eq!(end.tree.resident_pages, 0);
