@@ -12,12 +12,15 @@ import sys
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
+import kern.app
 from kern.app import App
 from kern.engine import Engine
 
 
 def main() -> None:
     port, steps = int(sys.argv[1]), int(sys.argv[2])
+    # Long enough for the test to see the 503 a request gets between the failure and the exit.
+    kern.app.CRASH_EXIT_DELAY = 3.0
 
     def load_failing(target):
         engine = Engine.load(target)

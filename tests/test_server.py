@@ -58,6 +58,7 @@ class Server:
         command: list[str] | None = None,
         model: Path | None = None,
         extra: tuple[str, ...] = (),
+        key: str = KEY,
     ) -> None:
         """A kern.toml target ``MODEL`` of ``checkpoint``; or, with ``model``, the folder
         served by ``kern serve --model`` and flags, no kern.toml; or ``command``."""
@@ -70,9 +71,10 @@ class Server:
         )
         self.log = open(tmp / f"{name}.log", "w+b")  # noqa: SIM115 - closed in close()
         # The installed package, as a user runs it (the source tree has no built extension).
-        env = dict(os.environ, **(env or {}))
+        # The key from the environment (a flag would show in ps, and kern serve warns).
+        env = {**os.environ, "KERN_API_KEY": KEY, **(env or {})}
         serve = [sys.executable, "-m", "kern.cli", "serve", "--port", str(self.port)]
-        serve += ["--api-key", KEY, *extra]
+        serve += [*extra]
         if model is not None:
             command = [*serve, "--model", str(model), "--served-model-name", MODEL]
             command += ["--pool-bytes", pool_bytes, "--host-bytes", host_bytes]
@@ -88,7 +90,7 @@ class Server:
             env=env,
         )
         self.http = httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+            base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=60
         )
         deadline = time.monotonic() + 60
         while True:
@@ -393,7 +395,9 @@ def test_bad_chat_and_size_and_auth(server):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] is not None
     big = b'{"model": "tiny", "prompt": "' + b"a" * (5 * 2**20) + b'"}'
-    r = server.http.post("/v1/completions", content=big)
+    r = server.http.post(
+        "/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401
@@ -503,6 +507,9 @@ def test_scheduler_crash_exits_101(tmp_path):
         except httpx.TransportError:
             pass  # the process may go before the stream's last bytes
         assert finish in (None, "abort")
+        # Between the failure and the exit, a new request is told the server is going.
+        r = srv.http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
         assert srv.proc.wait(10) == 101
         assert time.monotonic() - t0 < 10
         assert "injected failure" in srv.output()

@@ -12,6 +12,10 @@ Design notes
   is named inside the message instead (``Object missing required field `model` ``).
 * Unknown request fields are ignored, as OpenAI does: clients send fields kern does not use
   (``user``, ``presence_penalty`` at 0) and must not be refused for it.
+* JSON nested deeper than :data:`MAX_JSON_DEPTH` is refused before it is parsed: msgspec
+  recurses per level and skipping ~1,000 nested arrays in an unknown field raised
+  ``RecursionError``. The check counts brackets first (C speed); only a body with more
+  brackets than the limit is scanned for its real depth, outside strings.
 * Responses leave out ``None`` fields (``omit_defaults``) except where OpenAI clients expect
   the key (``logprobs``, ``finish_reason`` in a stream chunk), which are plain fields.
 """
@@ -42,6 +46,9 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP = 8
+MAX_JSON_DEPTH = 64
+# Model names echoed in error messages are cut to this many characters.
+MAX_ECHO = 64
 
 PositiveInt = Annotated[int, Meta(ge=1, le=MAX_TOKENS_LIMIT)]
 TokenId = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
@@ -102,7 +109,8 @@ class TextPart(Struct, kw_only=True):
 
 
 class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=False):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # The roles the chat templates kern serves render; others are refused here by name.
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -304,6 +312,7 @@ class ApiError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -311,6 +320,7 @@ class ApiError(Exception):
         self.param = param
         self.type = type
         self.code = code
+        self.headers = headers or []
 
 
 T = TypeVar("T")
@@ -321,13 +331,40 @@ _DECODERS: dict[type, msgspec.json.Decoder[Any]] = {
 _ENCODER = msgspec.json.Encoder()
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 _FIELD = re.compile(r"required field `([^`]+)`")
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def echo(text: str) -> str:
+    """``text`` for an error message, cut to :data:`MAX_ECHO` characters."""
+    return (
+        repr(text) if len(text) <= MAX_ECHO else repr(text[:MAX_ECHO]) + f"... ({len(text)} chars)"
+    )
+
+
+def json_depth(body: bytes) -> int:
+    """How deep ``body``'s arrays and objects nest (brackets inside strings not counted);
+    a cheap upper bound when that is under :data:`MAX_JSON_DEPTH`."""
+    bound = body.count(b"[") + body.count(b"{")
+    if bound <= MAX_JSON_DEPTH:
+        return bound
+    import numpy as np
+
+    b = np.frombuffer(_STRING.sub(b'""', body), dtype=np.uint8)
+    step = ((b == 0x5B) | (b == 0x7B)).astype(np.int32) - ((b == 0x5D) | (b == 0x7D))
+    return int(np.cumsum(step).max(initial=0))
 
 
 def decode(body: bytes, type_: type[T]) -> T:
     """Parse and validate ``body`` as ``type_``; raises :class:`ApiError` (400) naming the
     field when it can."""
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
         return _DECODERS[type_].decode(body)
+    except RecursionError:
+        raise ApiError(
+            400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        ) from None
     except msgspec.ValidationError as e:
         raise _validation_error(str(e)) from None
     except msgspec.DecodeError as e:

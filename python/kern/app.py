@@ -49,6 +49,7 @@ import traceback
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kern import __version__, api, logs
@@ -67,7 +68,13 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_STATS_INTERVAL = 10.0
+DEFAULT_BODY_TIMEOUT = 30.0
+# Characters above which a prompt is tokenized on a worker thread.
+_THREAD_TEXT = 16_384
 CRASH_EXIT_CODE = 101
+# Seconds between a scheduler failure and the exit: the open requests' ends reach their
+# clients meanwhile, and new requests get a 503.
+CRASH_EXIT_DELAY = 0.5
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _DONE = b"data: [DONE]\n\n"
@@ -138,6 +145,8 @@ class Settings:
     log_prompts: bool = False
     # Seconds between stats lines while there is work; 0: none.
     stats_interval: float = DEFAULT_STATS_INTERVAL
+    # Seconds a client has to send a request body whole.
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -145,8 +154,6 @@ class Settings:
         checkpoint folder), ``KERN_API_KEY``, ``KERN_MAX_BODY_BYTES``, ``KERN_LOG_LEVEL``,
         ``KERN_LOG_PROMPTS``, ``KERN_STATS_INTERVAL``. Raises ``UsageError`` naming the
         variable."""
-        from pathlib import Path
-
         from kern.errors import UsageError
         from kern.targets import check_target, resolve_target
 
@@ -163,10 +170,16 @@ class Settings:
             overrides={},
         )
         check_target(target, serving=True)
-        out = cls(target=target, api_key=env.get("KERN_API_KEY") or None)
+        out = cls(
+            target=target,
+            api_key=api_key(
+                None, Path(env["KERN_API_KEY_FILE"]) if "KERN_API_KEY_FILE" in env else None
+            ),
+        )
         for var, attr, kind in (
             ("KERN_MAX_BODY_BYTES", "max_body", int),
             ("KERN_STATS_INTERVAL", "stats_interval", float),
+            ("KERN_BODY_TIMEOUT", "body_timeout", float),
         ):
             if var in env:
                 try:
@@ -180,6 +193,33 @@ class Settings:
         if not log.handlers:
             logs.configure(level)
         return out
+
+
+def api_key(flag: str | None, file: Path | None, flag_name: str = "--api-key") -> str | None:
+    """The API key from a flag, a file (its first line) or ``KERN_API_KEY``, in that order;
+    None: no key. An empty or blank key is a ``UsageError``: an unset shell variable must
+    not start a server with no auth."""
+    from kern.errors import UsageError
+
+    if flag is not None and file is not None:
+        raise UsageError(f"{flag_name} and a key file: pass one of them")
+    if flag is not None:
+        key, where = flag, flag_name
+    elif file is not None:
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise UsageError(f"{file}: cannot read the API key file: {e.strerror}") from None
+        key, where = (lines[0] if lines else ""), str(file)
+    elif "KERN_API_KEY" in os.environ:
+        key, where = os.environ["KERN_API_KEY"], "KERN_API_KEY"
+    else:
+        return None
+    if not key.strip():
+        raise UsageError(f"{where}: the API key is empty")
+    if key != key.strip() or any(c.isspace() for c in key):
+        raise UsageError(f"{where}: the API key contains whitespace")
+    return key
 
 
 class App:
@@ -202,6 +242,7 @@ class App:
         self.created = int(time.time())
         self.api_key: bytes | None = None
         self.max_body = DEFAULT_MAX_BODY_BYTES
+        self.body_timeout = DEFAULT_BODY_TIMEOUT
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
         self._runs: set[_Run] = set()
@@ -266,6 +307,7 @@ class App:
         key = self.settings.api_key
         self.api_key = key.encode() if key else None
         self.max_body = self.settings.max_body
+        self.body_timeout = self.settings.body_timeout
         # Built on the scheduler's own thread: every torch op runs there.
         self.scheduler = start_scheduler(self._load)
         return self.engine
@@ -307,7 +349,7 @@ class App:
         )
         # Give the event loop a moment to end the open streams, then go: a server whose
         # scheduler is gone must not keep its port open with requests hanging.
-        threading.Timer(0.5, os._exit, (CRASH_EXIT_CODE,)).start()
+        threading.Timer(CRASH_EXIT_DELAY, os._exit, (CRASH_EXIT_CODE,)).start()
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
@@ -321,23 +363,39 @@ class App:
                 message = {**message, "headers": [*message.get("headers", ()), header]}
             await send(message)
 
-        route = self._routes.get(path)
         try:
-            if route is None:
-                raise ApiError(404, f"no route {path}", type="not_found_error")
-            method, handler = route
-            if scope["method"] != method:
-                raise ApiError(405, f"{path} takes {method}", type="invalid_request_error")
+            # Auth first, for every route but /health: without the key, a client learns
+            # nothing, not even which routes exist.
             if path != "/health" and self.api_key is not None:
                 self._authorize(scope)
+            route = self._routes.get(path)
+            if route is None:
+                raise ApiError(404, f"no route {api.echo(path)}", type="not_found_error")
+            method, handler = route
+            allowed = "GET, HEAD" if method == "GET" else method
+            if scope["method"] == "HEAD" and method == "GET":
+                send_tagged = _headers_only(send_tagged)
+            elif scope["method"] != method:
+                raise ApiError(
+                    405,
+                    f"{path} takes {allowed}",
+                    type="invalid_request_error",
+                    headers=[(b"allow", allowed.encode())],
+                )
             if self.scheduler is None:
                 raise ApiError(503, "the model is loading", type="server_error")
             if self.draining and path != "/metrics":
                 raise ApiError(503, "the server is shutting down", type="server_error")
+            if self.scheduler.failed is not None and path != "/metrics":
+                raise ApiError(
+                    503, "the server is shutting down (its scheduler failed)", type="server_error"
+                )
+            if method == "POST":
+                _require_json(scope)
             await handler(scope, receive, send_tagged)
         except ApiError as e:
             record.error = e.message
-            await _respond(send_tagged, e.status, api.error_body(e))
+            await _respond(send_tagged, e.status, api.error_body(e), [*_JSON, *e.headers])
         except _Disconnected:
             record.error = "the client disconnected"
         except Exception as e:
@@ -357,7 +415,11 @@ class App:
                     return
                 break
         raise ApiError(
-            401, "missing or wrong API key", type="authentication_error", code="invalid_api_key"
+            401,
+            "missing or wrong API key",
+            type="authentication_error",
+            code="invalid_api_key",
+            headers=[(b"www-authenticate", b'Bearer realm="kern"')],
         )
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
@@ -366,8 +428,19 @@ class App:
                 raise ApiError(413, f"body over {self.max_body} bytes", code="body_too_large")
         parts: list[bytes] = []
         size = 0
+        # The whole body within body_timeout seconds: a client that declares a length and
+        # sends less must not hold its connection (and a file descriptor) forever.
+        deadline = time.monotonic() + self.body_timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except TimeoutError:
+                raise ApiError(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout:g} s",
+                    code="body_timeout",
+                    headers=[(b"connection", b"close")],
+                ) from None
             if message["type"] == "http.disconnect":
                 raise _Disconnected
             chunk = message.get("body", b"")
@@ -403,11 +476,13 @@ class App:
         body = api.decode(await self._body(scope, receive), api.TokenizeRequest)
         self._check_model(body.model)
         if body.messages is not None:
-            text = self._render_chat(body.messages, body.add_generation_prompt)
+            text, contents = self._render_chat(body.messages, body.add_generation_prompt)
+            ids = await self._encode(text, "messages", contents=contents)
         else:
             assert body.prompt is not None
-            text = body.prompt
-        ids = self._encode(text, "prompt", add_special_tokens=body.add_special_tokens)
+            ids = await self._encode(
+                body.prompt, "prompt", add_special_tokens=body.add_special_tokens
+            )
         out = api.TokenizeResponse(ids, len(ids), self.max_model_len)
         await _respond(send, 200, api.encode(out))
 
@@ -424,7 +499,8 @@ class App:
         if model is not None and model != self.model_name:
             raise ApiError(
                 404,
-                f"model {model!r} does not exist (this server serves {self.model_name!r})",
+                f"model {api.echo(model)} does not exist (this server serves "
+                f"{api.echo(self.model_name)})",
                 param="model",
                 type="invalid_request_error",
                 code="model_not_found",
@@ -440,26 +516,65 @@ class App:
                     code="invalid_value",
                 )
 
-    def _encode(self, text: str, param: str, *, add_special_tokens: bool = False) -> list[int]:
-        try:
+    async def _encode(
+        self,
+        text: str,
+        param: str,
+        *,
+        add_special_tokens: bool = False,
+        contents: list[str] | None = None,
+    ) -> list[int]:
+        """Token ids of a prompt's text (a rendered chat prompt with its messages' ``contents``:
+        their added-token text stays plain). Refuses, before tokenizing, a text too long to
+        fit the context whatever it encodes to; tokenizes a long one on a worker thread, so
+        the event loop keeps serving everyone else meanwhile."""
+        from kern.tokenizer import ChatTemplateError
+
+        size = len(text.encode("utf-8", "surrogatepass"))
+        # No token covers more than max_token_bytes bytes of normalized text, and NFC at
+        # most shrinks text threefold (decomposed Hangul): 4x that is a safe lower bound.
+        least = size // (4 * self.tokenizer.max_token_bytes)
+        if least > self.max_model_len:
+            raise ApiError(
+                400,
+                f"the prompt is {size} bytes, at least {least} tokens: over the model's "
+                f"context of {self.max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+        def encode() -> list[int]:
+            if contents is not None:
+                return self.tokenizer.encode_chat(text, contents)
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        try:
+            if len(text) > _THREAD_TEXT:
+                return await asyncio.to_thread(encode)
+            return encode()
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param=param) from None
         except Exception as e:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
             raise ApiError(400, f"cannot tokenize: {e}", param=param) from None
 
-    def _render_chat(self, messages: list[api.ChatMessage], add_generation_prompt: bool) -> str:
+    def _render_chat(
+        self, messages: list[api.ChatMessage], add_generation_prompt: bool
+    ) -> tuple[str, list[str]]:
+        """The chat prompt's text and the messages' contents in it."""
         from kern.tokenizer import ChatTemplateError
 
         dicts = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(dicts, add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(dicts, add_generation_prompt)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
+        return text, [d["content"] for d in dicts]
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = api.decode(await self._body(scope, receive), api.CompletionRequest)
         self._check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = self._encode(body.prompt, "prompt")
+            prompt_ids = await self._encode(body.prompt, "prompt")
         else:
             prompt_ids = body.prompt
             self._check_ids(prompt_ids, "prompt")
@@ -468,8 +583,8 @@ class App:
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = api.decode(await self._body(scope, receive), api.ChatCompletionRequest)
         self._check_model(body.model)
-        text = self._render_chat(body.messages, body.add_generation_prompt)
-        prompt_ids = self._encode(text, "messages")
+        text, contents = self._render_chat(body.messages, body.add_generation_prompt)
+        prompt_ids = await self._encode(text, "messages", contents=contents)
         limit = body.token_limit()
         await self._generate(body, prompt_ids, limit, body.num_logprobs(), True, receive, send)
 
@@ -767,6 +882,36 @@ async def _watch(receive: Receive, reqs: list[Request], queue, sched: Scheduler)
                 sched.abort(r)
             queue.put_nowait(_HANGUP)
             return
+
+
+def _require_json(scope: Scope) -> None:
+    """POST bodies are JSON, and say so: a form or ``text/plain`` POST is what a web page can
+    send cross-site without a CORS preflight, so accepting it would let any page drive a
+    server that has no key."""
+    for k, v in scope["headers"]:
+        if k == b"content-type":
+            media = v.split(b";", 1)[0].strip().lower()
+            if media == b"application/json" or (
+                media.startswith(b"application/") and media.endswith(b"+json")
+            ):
+                return
+            break
+    raise ApiError(
+        415,
+        "a POST body must be JSON sent with Content-Type: application/json",
+        code="unsupported_media_type",
+    )
+
+
+def _headers_only(send: Send) -> Send:
+    """``send`` for a HEAD request: the GET response's status and headers, no body."""
+
+    async def send_head(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            message = {"type": "http.response.body", "body": b"", "more_body": False}
+        await send(message)
+
+    return send_head
 
 
 async def _respond(send: Send, status: int, body: bytes, headers=None) -> None:

@@ -288,8 +288,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         text = args.prompt
         if args.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": text}])
-        prompt_ids = tok.encode(text)
+            # As the server encodes chat: control-token text in the message stays plain.
+            chat = tok.apply_chat_template([{"role": "user", "content": text}])
+            prompt_ids = tok.encode_chat(chat, [text])
+        else:
+            prompt_ids = tok.encode(text)
         if not prompt_ids:
             raise UsageError("--prompt encodes to no tokens")
     else:

@@ -37,6 +37,9 @@ log = logging.getLogger("kern")
 # Seconds hypercorn waits for open connections once asked to stop: every handler has ended
 # by then (the drain ends them first), so this only bounds a client that keeps reading.
 GRACEFUL_SECONDS = 1.0
+# Connections the kernel queues before hypercorn accepts them. hypercorn's 100 overflowed at
+# 256 concurrent clients (a client saw a ReadError); Linux caps it at net.core.somaxconn.
+BACKLOG = 4096
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -87,7 +90,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     net.add_argument(
         "--port", type=_port, default=8000, help="port to bind (default 8000; 0: any free one)"
     )
-    net.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY'")
+    net.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file or "
+        "KERN_API_KEY)",
+    )
+    net.add_argument(
+        "--api-key-file", type=Path, metavar="FILE", help="the API key, the file's first line"
+    )
+    net.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="time a client has to send a request body whole (default 30)",
+    )
     logs = p.add_argument_group("logs")
     logs.add_argument("--log-level", choices=LEVELS, default="info", help="default info")
     logs.add_argument(
@@ -117,14 +135,25 @@ def run(args: argparse.Namespace) -> int:
         served_name=args.served_model_name,
     )
     config = check_target(target, serving=True)
-    sock = _bind(args.host, args.port)
+    from kern.app import App, Settings, api_key
 
-    from kern.app import App, Settings
+    key = api_key(args.api_key, args.api_key_file)
+    if args.api_key is not None:
+        log.warning(
+            "--api-key is visible to every user of this machine in ps; prefer "
+            "--api-key-file or KERN_API_KEY"
+        )
+    if args.body_timeout == 0:
+        from kern.errors import UsageError
+
+        raise UsageError("--body-timeout 0: a client would have no time to send a body")
+    sock = _bind(args.host, args.port)
 
     app = App(
         settings=Settings(
             target=target,
-            api_key=args.api_key,
+            api_key=key,
+            body_timeout=args.body_timeout,
             log_prompts=args.log_prompts,
             stats_interval=args.stats_interval,
         )
@@ -172,6 +201,7 @@ def _serve(app, sock: socket.socket, args: argparse.Namespace, summary: str) -> 
 
     config = Config()
     config.graceful_timeout = GRACEFUL_SECONDS
+    config.backlog = BACKLOG
     error_log = logging.getLogger("hypercorn.error")
     # Its "Running on" line says less than the start-up line above; warnings still show.
     error_log.setLevel(logging.DEBUG if args.log_level == "debug" else logging.WARNING)
