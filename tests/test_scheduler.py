@@ -162,13 +162,32 @@ def test_slot_growth_from_two_and_the_request_end_snapshot(qwen3_5):
     h.assert_identical(nxt)
     # The snapshot sits after the last computed token: all but the last answer token.
     assert nxt.cached_tokens == len(first.prompt_ids) + len(h.answer(first)) - 1
-    assert nxt.cached_tokens % PT  # the snapshot ends mid-page: the next turn is a sibling
-    # The same next turn again resumes from the first turn's snapshot, on the short leaf the
-    # longer sibling runs past (the longer one has its snapshot only at its own end).
+    # The same next turn again resumes from the snapshot its first run took one token short
+    # of its prompt's end.
     again = h.submit(turn, 6, ignore_eos=True)
     h.run()
     h.assert_identical(again)
-    assert again.cached_tokens == nxt.cached_tokens
+    assert again.cached_tokens == len(turn) - 1
+    h.assert_idle_and_clean()
+
+
+def test_a_repeated_prompt_resumes_from_the_prompt_end_snapshot(qwen3_5):
+    h = fresh(qwen3_5)
+    for n in (9, 12, 13):  # ending mid-page, on a page boundary, one past it
+        p = prompt(70 + n, n)
+        first = h.submit(p, 5, ignore_eos=True)
+        h.run()
+        again = h.submit(p, 5, ignore_eos=True)
+        h.run()
+        h.assert_identical(first)
+        h.assert_identical(again)
+        assert first.cached_tokens == 0 and again.cached_tokens == n - 1
+    # Two at once with the same prompt: each answer right, the tree's books intact.
+    p = prompt(99, 11)
+    twins = [h.submit(p, 4, ignore_eos=True) for _ in range(2)]
+    h.run()
+    for r in twins:
+        h.assert_identical(r)
     h.assert_idle_and_clean()
 
 

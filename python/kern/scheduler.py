@@ -28,6 +28,13 @@ Design notes
 * Prefill pages are shared at once (stateless models): the full pages a prefill chunk
   computed go into the tree right after the step, the request locking their node, so a
   request that arrives while another with the same system prompt runs hits it.
+* Prompt-end snapshots (stateful models): a recurrent model resumes only where a state
+  snapshot sits, and the request-end one lies after the answer, so a repeated prompt would
+  hit nothing. The prefill is cut to stop one token short of the prompt's end (the token a
+  hit recomputes for its logits); right after that step the state is copied into a slot of
+  its own and given to the tree with the prompt's pages (the partial last page as a copy,
+  the request keeps writing its own), so the same prompt again resumes there. If no slot or
+  page can be had the snapshot is skipped: it is a cache, never a reason to wait.
 * Preemption: a decode that needs a page when nothing is evictable preempts the youngest
   running request. Its computed tokens and pages go into the prefix tree (with its state, on a
   stateful model), it unlocks, and it goes back to the head of the queue. The tree's make-room
@@ -112,6 +119,8 @@ class Request:
     # The finish reason an abort ends it with: "stop" when the app matched a stop string.
     end_reason: str = "abort"
     order: int = 0
+    # The prompt-end snapshot (stateful models) is taken or not needed.
+    prompt_snapshot_done: bool = False
     # perf_counter() seconds: submitted, first admitted, first and latest token (0: not yet).
     t_submit: float = 0.0
     t_admit: float = 0.0
@@ -547,6 +556,9 @@ class Scheduler:
                 break
             left = len(req.tokens) - req.num_computed
             k = min(left, budget)
+            at = self._prompt_snapshot_at(req)
+            if at is not None and req.num_computed < at < req.num_computed + k:
+                k = at - req.num_computed
             if req.num_computed + k > len(req.block_table) * pt and not self._grow(req, k):
                 continue  # preempted itself: nothing younger to take from
             plan.append((req, k))
@@ -573,6 +585,8 @@ class Scheduler:
             req.num_computed += k
             if k > 1 and not self.stateful:
                 self._share_prefill(req)
+            if self.stateful and req.num_computed == self._prompt_snapshot_at(req):
+                self._prompt_snapshot(req)
         if not rows:
             return
         picked = sample(logits, [r.params for r in rows], [r.num_output for r in rows])
@@ -601,6 +615,48 @@ class Scheduler:
             if reason is not None:
                 self._running.remove(req)
                 self._finish(req, reason, events)
+
+    def _prompt_snapshot_at(self, req: Request) -> int | None:
+        """Where ``req``'s prompt-end snapshot goes (see the design notes), if it still needs
+        one: one token short of the prompt, past its hit, before its first output."""
+        if not self.stateful or req.prompt_snapshot_done or req.num_output:
+            return None
+        at = len(req.prompt_ids) - 1
+        if at <= 0 or at <= (req.cached_tokens or 0):
+            req.prompt_snapshot_done = True  # a repeat resumed there: the tree has it
+            return None
+        return at
+
+    def _prompt_snapshot(self, req: Request) -> None:
+        """Give the tree the state ``req`` has now (its prompt but the last token computed)
+        with the pages that hold those tokens; the request then reads the tree's full pages
+        under a lock, and keeps its own partial last page."""
+        req.prompt_snapshot_done = True
+        cache, pt, n = self.cache, self.pt, req.num_computed
+        full = n // pt
+        slot = self._alloc_slot()
+        if slot is None:
+            return
+        pages = req.block_table[:full]
+        if n % pt:
+            copy = self._alloc_pages(1)
+            if copy is None:
+                cache.free_slot(slot)
+                return
+            self.runner.copy_pages([req.block_table[full]], copy)
+            pages = pages + copy
+        assert req.slot is not None
+        self.runner.copy_slots([req.slot], [slot])
+        key = _u32(req.tokens[:n])
+        ins = cache.insert(key, _u32(pages), slot)
+        if ins.woken:
+            self.metrics.woken.inc(ins.woken)
+        m = cache.match(key)  # locks the path, now all resident, its snapshot at n
+        assert m.node is not None and m.resident_len == n and m.state_len == n
+        req.block_table[:full] = _ids(m.pages)[:full]
+        if req.node is not None:
+            cache.unlock(req.node)
+        req.node = m.node
 
     def _grow(self, req: Request, k: int) -> bool:
         """Pages for ``req``'s next ``k`` tokens, preempting the youngest running requests

@@ -229,10 +229,9 @@ class TargetGate:
         self.same(res, "repeat vs first", again, first)
         res.add_cached(again)
         res.notes.append(f"repeat: {again.cached_tokens} of {again.prompt_tokens} cached")
-        if self.stateful:
-            # A recurrent state is snapshotted at a request's end, not at its prompt's.
-            res.notes.append("stateful: a repeat has no snapshot at its prompt's end")
-        elif again.cached_tokens != again.prompt_tokens - 1:
+        # A stateful target resumes from the state snapshot taken one token short of the
+        # prompt's end, so it too hits all but the last prompt token.
+        if again.cached_tokens != again.prompt_tokens - 1:
             res.fail(f"repeat: {again.cached_tokens} cached, not all but the last prompt token")
         # The next turn as ids: this prompt, the answer as served, then another prompt.
         turn = ref.prompt_ids + again.ids + self.refs[j].prompt_ids
@@ -263,7 +262,7 @@ class TargetGate:
             ok = self.check(res, f"prompt {i}", got, self.refs[i])
             if ok and i not in self.excused_cold:
                 self.same(res, f"prompt {i} warm vs cold", got, self.cold[i])
-            if not self.stateful and not got.cached_tokens:
+            if not got.cached_tokens:
                 res.fail(f"prompt {i}: no prefix hit on a repeat")
 
     def twelve_at_once(self, res: Result) -> None:
