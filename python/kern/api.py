@@ -60,28 +60,145 @@ Seed = Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.continuous_usage_stats:
+            raise ValueError(
+                "continuous_usage_stats is not supported"
+                " - at `$.stream_options.continuous_usage_stats`"
+            )
+
+
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
+Count = Annotated[int, Meta(ge=0, le=MAX_TOKENS_LIMIT)]
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+# OpenAI request fields kern does not implement, with the values that ask for nothing (what
+# the field means when it is left out). Anything else is a 400 naming the field: a field a
+# client sets must never be accepted and ignored. null always means "left out".
+UNSUPPORTED: dict[str, Any] = {
+    "best_of": lambda v: v == 1,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "response_format": lambda v: v == {"type": "text"},
+    "audio": _never,
+    "modalities": lambda v: v == ["text"],
+    "prediction": _never,
+    "reasoning_effort": _never,
+    "verbosity": _never,
+    "web_search_options": _never,
+    "store": lambda v: v is False,
+    "service_tier": lambda v: v in ("auto", "default"),
+    "moderation": _never,
+    "prompt_cache_retention": _never,
+    "prompt_cache_options": _never,
+    "guided_json": _never,
+    "guided_regex": _never,
+    "guided_choice": _never,
+    "guided_grammar": _never,
+    "structured_outputs": _never,
+    "use_beam_search": lambda v: v is False,
+    "prompt_logprobs": _never,
+    "truncate_prompt_tokens": _never,
+    "continue_final_message": lambda v: v is False,
+    "documents": _never,
+    "mm_processor_kwargs": _never,
+}
+
+
+def _refuse_unsupported(struct: Any) -> None:
+    for name in UNSUPPORTED:
+        value = getattr(struct, name, None)
+        if value is not None and not UNSUPPORTED[name](value):
+            raise ValueError(f"{name} is not supported (only its default) - at `$.{name}`")
 
 
 class _Sampling(Struct, kw_only=True):
-    """Parameters shared by completions and chat completions."""
+    """Parameters shared by completions and chat completions. Every optional field may be
+    null, meaning unset: the checkpoint's generation_config.json default where it has one,
+    else OpenAI's (see :meth:`kern.app.App._sampling`)."""
 
     model: str
     max_tokens: PositiveInt | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     # -1 and 0 both disable top-k (vLLM's spelling and kern's).
-    top_k: TopK = 0
+    top_k: TopK | None = None
+    min_p: Prob | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=100.0)] | None = None
+    # Token id (a string, as JSON keys are) -> a bias added to its logit.
+    logit_bias: dict[str, Bias] | None = None
+    min_tokens: Count | None = None
     seed: Seed | None = None
     stop: str | Annotated[list[str], Meta(max_length=MAX_STOP)] | None = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    n: N = 1
-    stream: bool = False
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    n: N | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     # A kern (and vLLM) extension: each choice carries the ids it produced, so a client can
     # send the next turn as ids (an answer's text need not tokenize back to its ids).
-    return_token_ids: bool = False
+    return_token_ids: bool | None = None
+    # Identifiers that ask for no behaviour: accepted and put in the request's log line.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    # Refused unless left out or set to their default (UNSUPPORTED).
+    best_of: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    service_tier: Any = None
+    moderation: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+
+    def _check(self) -> None:
+        _refuse_unsupported(self)
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true - at `$.stream_options`")
+        for key in self.logit_bias or {}:
+            if not key.isdigit() or int(key) > 0xFFFFFFFF:
+                raise ValueError(
+                    f"logit_bias key {echo(key)} is not a token id - at `$.logit_bias`"
+                )
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -91,16 +208,39 @@ class _Sampling(Struct, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
-    max_tokens: PositiveInt | None = 16
+    # One prompt (text or ids) or a batch (texts or id lists), checked in __post_init__:
+    # msgspec takes one array-like type per union.
+    prompt: str | Annotated[list[str | int | list[TokenId]], Meta(min_length=1)]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
+    echo: Any = None
+    suffix: Any = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.prompt, str) and not self.prompt:
-            raise ValueError("prompt is empty - at `$.prompt`")
-        if self.echo:
-            raise ValueError("echo is not supported - at `$.echo`")
+        self._check()
+        if isinstance(self.prompt, str):
+            if not self.prompt:
+                raise ValueError("prompt is empty - at `$.prompt`")
+            return
+        kinds = {type(p) for p in self.prompt}
+        if kinds == {int}:
+            for i, t in enumerate(self.prompt):
+                if not 0 <= t <= 0xFFFFFFFF:  # type: ignore[operator]
+                    raise ValueError(f"{t} is not a token id - at `$.prompt[{i}]`")
+        elif len(kinds) != 1:
+            raise ValueError(
+                "a prompt list is token ids, or a batch of texts, or a batch of id lists, "
+                "not a mix - at `$.prompt`"
+            )
+        else:
+            for i, p in enumerate(self.prompt):
+                if not p:
+                    raise ValueError(f"prompt {i} of the batch is empty - at `$.prompt[{i}]`")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per prompt (a text or its ids)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
 
 class TextPart(Struct, kw_only=True):
@@ -113,6 +253,13 @@ class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=False):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+
+    def __post_init__(self) -> None:
+        for field in ("tool_calls", "tool_call_id"):
+            if getattr(self, field) is not None:
+                raise ValueError(f"{field} is not supported (tools are not) - at `$.{field}`")
 
     def text(self) -> str:
         if self.content is None:
@@ -122,14 +269,25 @@ class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=False):
         return "".join(p.text for p in self.content)
 
 
+# Template variables a request may not set through chat_template_kwargs: the server sets them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token",
+     "pad_token", "unk_token"}
+)  # fmt: skip
+
+
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
+    # Variables for the chat template (Qwen3's enable_thinking, ...).
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: Any = None
 
     def __post_init__(self) -> None:
+        self._check()
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true - at `$.top_logprobs`")
         if (
@@ -140,6 +298,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise ValueError(
                 "max_tokens and max_completion_tokens disagree - at `$.max_completion_tokens`"
             )
+        for key in self.chat_template_kwargs or {}:
+            if key in _RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(
+                    f"chat_template_kwargs may not set {key!r} - at `$.chat_template_kwargs`"
+                )
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
@@ -152,12 +315,18 @@ class TokenizeRequest(Struct, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     model: str | None = None
-    add_special_tokens: bool = False
-    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages - at `$.prompt`")
+        for key in self.chat_template_kwargs or {}:
+            if key in _RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(
+                    f"chat_template_kwargs may not set {key!r} - at `$.chat_template_kwargs`"
+                )
 
 
 class DetokenizeRequest(Struct, kw_only=True):
@@ -191,6 +360,9 @@ class CompletionChoice(Struct, omit_defaults=True):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length", "abort"] | None
+    # The stop string or stop token id that ended the choice; null otherwise (end of
+    # sequence, length), as vLLM reports it.
+    stop_reason: str | int | None
     token_ids: list[int] | None = None
 
 
@@ -230,6 +402,7 @@ class ChatChoice(Struct, omit_defaults=True):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: str | int | None
     token_ids: list[int] | None = None
 
 
@@ -252,6 +425,7 @@ class ChatChunkChoice(Struct, omit_defaults=True):
     delta: Delta
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: str | int | None
     token_ids: list[int] | None = None
 
 
@@ -269,6 +443,9 @@ class ModelCard(Struct):
     created: int
     owned_by: str = "kern"
     max_model_len: int | None = None
+    # What a request that leaves them unset samples with (the checkpoint's
+    # generation_config.json; OpenAI's defaults for the rest).
+    sampling_defaults: dict[str, float] | None = None
     object: str = "model"
 
 
@@ -352,6 +529,16 @@ def json_depth(body: bytes) -> int:
     b = np.frombuffer(_STRING.sub(b'""', body), dtype=np.uint8)
     step = ((b == 0x5B) | (b == 0x7B)).astype(np.int32) - ((b == 0x5D) | (b == 0x7D))
     return int(np.cumsum(step).max(initial=0))
+
+
+_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def unknown_fields(body: bytes, type_: type) -> list[str]:
+    """The top-level keys of ``body`` (a JSON object ``decode`` accepted) that ``type_`` does
+    not have: accepted, as OpenAI accepts them, and logged, as vLLM does."""
+    known = type_.__struct_fields__  # type: ignore[attr-defined]
+    return [k for k in _KEYS.decode(body) if k not in known]
 
 
 def decode(body: bytes, type_: type[T]) -> T:

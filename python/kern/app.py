@@ -98,24 +98,34 @@ class _Choice:
     stream: Any
     stops: list[str]
     hold: int
+    include_stop: bool = False
     ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    # The text each token released (the last one also what the end flushed): joined, the
+    # whole decoded answer; what completions logprobs' ``tokens`` list.
+    pieces: list[str] = field(default_factory=list)
     pending: str = ""
     finish: str | None = None
+    # The stop string or stop token id that ended the choice (OpenAI's ``stop_reason``).
+    stop_reason: str | int | None = None
     done: bool = False  # the scheduler's final event arrived
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Logprob entries already sent in a stream.
+    sent_logprobs: int = 0
 
     def feed(self, token: int) -> tuple[str, bool]:
         """The text ``token`` releases, and whether a stop string ended the choice."""
         self.ids.append(token)
-        buf = self.pending + self.stream.step(token)
+        piece = self.stream.step(token)
+        self.pieces.append(piece)
+        buf = self.pending + piece
         if not self.stops:
             self.pending = ""
             return buf, False
         cut = self._stop_at(buf)
-        if cut >= 0:
+        if cut is not None:
             self.pending = ""
-            return buf[:cut], True
+            return cut, True
         keep = min(self.hold, len(buf))
         self.pending = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False
@@ -124,13 +134,23 @@ class _Choice:
         """At the sequence's end: the text held back (what might have begun a stop string,
         and the detokenizer's trailing U+FFFD of an unfinished character, which ``decode``
         and so ``kern run`` keep), and whether a stop string ended the choice."""
-        buf = self.pending + self.stream.finish()
+        rest = self.stream.finish()
+        if self.pieces:
+            self.pieces[-1] += rest
+        buf = self.pending + rest
         self.pending = ""
         cut = self._stop_at(buf)
-        return (buf, False) if cut < 0 else (buf[:cut], True)
+        return (buf, False) if cut is None else (cut, True)
 
-    def _stop_at(self, buf: str) -> int:
-        return min((i for s in self.stops if (i := buf.find(s)) >= 0), default=-1)
+    def _stop_at(self, buf: str) -> str | None:
+        """``buf`` up to the first stop string in it (through it with include_stop), or
+        None; records the string as the stop reason."""
+        found = [(i, -len(s), s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if not found:
+            return None
+        i, _, stop = min(found)
+        self.stop_reason = stop
+        return buf[: i + len(stop)] if self.include_stop else buf[:i]
 
 
 @dataclass
@@ -239,6 +259,7 @@ class App:
         self.model_name = "kern"
         self.vocab_size = 0
         self.max_model_len = 0
+        self.gen_defaults: dict[str, float] = {}
         self.created = int(time.time())
         self.api_key: bytes | None = None
         self.max_body = DEFAULT_MAX_BODY_BYTES
@@ -324,6 +345,7 @@ class App:
         self.tokenizer = engine.checkpoint.tokenizer
         self.vocab_size = engine.checkpoint.config.vocab_size
         self.max_model_len = engine.checkpoint.config.max_position_embeddings
+        self.gen_defaults = sampling_defaults(target.checkpoint)
         self.metrics = Metrics(self.model_name, self.max_model_len)
         return engine.scheduler(self._deliver, metrics=self.metrics, on_crash=self._crashed)
 
@@ -369,6 +391,8 @@ class App:
             if path != "/health" and self.api_key is not None:
                 self._authorize(scope)
             route = self._routes.get(path)
+            if route is None and path.startswith("/v1/models/"):
+                route = ("GET", self._model)
             if route is None:
                 raise ApiError(404, f"no route {api.echo(path)}", type="not_found_error")
             method, handler = route
@@ -468,20 +492,34 @@ class App:
     async def _openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _respond(send, 200, api.encode(api.openapi()))
 
+    def _card(self) -> api.ModelCard:
+        return api.ModelCard(
+            self.model_name,
+            self.created,
+            max_model_len=self.max_model_len,
+            sampling_defaults=dict(self.gen_defaults),
+        )
+
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        card = api.ModelCard(self.model_name, self.created, max_model_len=self.max_model_len)
-        await _respond(send, 200, api.encode(api.ModelList([card])))
+        await _respond(send, 200, api.encode(api.ModelList([self._card()])))
+
+    async def _model(self, scope: Scope, receive: Receive, send: Send) -> None:
+        name = scope["path"].removeprefix("/v1/models/")
+        self._check_model(name)
+        await _respond(send, 200, api.encode(self._card()))
 
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = api.decode(await self._body(scope, receive), api.TokenizeRequest)
         self._check_model(body.model)
         if body.messages is not None:
-            text, contents = self._render_chat(body.messages, body.add_generation_prompt)
+            text, contents = self._render_chat(
+                body.messages, body.add_generation_prompt, body.chat_template_kwargs
+            )
             ids = await self._encode(text, "messages", contents=contents)
         else:
             assert body.prompt is not None
             ids = await self._encode(
-                body.prompt, "prompt", add_special_tokens=body.add_special_tokens
+                body.prompt, "prompt", add_special_tokens=bool(body.add_special_tokens)
             )
         out = api.TokenizeResponse(ids, len(ids), self.max_model_len)
         await _respond(send, 200, api.encode(out))
@@ -558,40 +596,96 @@ class App:
             raise ApiError(400, f"cannot tokenize: {e}", param=param) from None
 
     def _render_chat(
-        self, messages: list[api.ChatMessage], add_generation_prompt: bool
+        self,
+        messages: list[api.ChatMessage],
+        add_generation_prompt: bool | None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[str]]:
         """The chat prompt's text and the messages' contents in it."""
         from kern.tokenizer import ChatTemplateError
 
         dicts = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(dicts, add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                dicts, add_generation_prompt is not False, **(template_kwargs or {})
+            )
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         return text, [d["content"] for d in dicts]
 
+    def _decode(self, raw: bytes, type_: type) -> Any:
+        body = api.decode(raw, type_)
+        unknown = api.unknown_fields(raw, type_)
+        if unknown:
+            # Accepted, as OpenAI accepts them, but never silently: named in the log.
+            log.warning(
+                "request %s: ignoring unknown fields %s",
+                (record.id if (record := _RECORD.get()) else "-"),
+                ", ".join(api.echo(k) for k in unknown[:20]),
+            )
+        return body
+
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = api.decode(await self._body(scope, receive), api.CompletionRequest)
+        body = self._decode(await self._body(scope, receive), api.CompletionRequest)
         self._check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = await self._encode(body.prompt, "prompt")
-        else:
-            prompt_ids = body.prompt
-            self._check_ids(prompt_ids, "prompt")
-        await self._generate(body, prompt_ids, body.max_tokens, body.logprobs, False, receive, send)
+        prompts: list[list[int]] = []
+        batch = body.prompts()
+        for i, prompt in enumerate(batch):
+            param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                prompts.append(await self._encode(prompt, param))
+            else:
+                self._check_ids(prompt, param)
+                prompts.append(list(prompt))
+        # OpenAI's default for completions is 16 tokens; null means the default.
+        limit = 16 if body.max_tokens is None else body.max_tokens
+        await self._generate(body, prompts, limit, body.logprobs, False, receive, send)
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = api.decode(await self._body(scope, receive), api.ChatCompletionRequest)
+        body = self._decode(await self._body(scope, receive), api.ChatCompletionRequest)
         self._check_model(body.model)
-        text, contents = self._render_chat(body.messages, body.add_generation_prompt)
+        text, contents = self._render_chat(
+            body.messages, body.add_generation_prompt, body.chat_template_kwargs
+        )
         prompt_ids = await self._encode(text, "messages", contents=contents)
         limit = body.token_limit()
-        await self._generate(body, prompt_ids, limit, body.num_logprobs(), True, receive, send)
+        await self._generate(body, [prompt_ids], limit, body.num_logprobs(), True, receive, send)
+
+    def _sampling(self, body: Any, seed: int | None) -> SamplingParams:
+        """The request's sampling parameters: what it set, else the checkpoint's
+        generation_config.json default, else OpenAI's."""
+        d = self.gen_defaults
+
+        def pick(name: str, default: float) -> Any:
+            value = getattr(body, name)
+            return value if value is not None else d.get(name, default)
+
+        bias = tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items())
+        for token, _ in bias:
+            if token >= self.vocab_size:
+                raise ApiError(
+                    400,
+                    f"logit_bias: token id {token} is not below the vocabulary size "
+                    f"{self.vocab_size}",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+        return SamplingParams(
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=max(int(pick("top_k", 0)), 0),
+            min_p=pick("min_p", 0.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            logit_bias=bias,
+            seed=seed,
+        )
 
     async def _generate(
         self,
         body: api.CompletionRequest | api.ChatCompletionRequest,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         max_tokens: int | None,
         num_logprobs: int | None,
         chat: bool,
@@ -600,54 +694,60 @@ class App:
     ) -> None:
         sched = self.scheduler
         assert sched is not None
-        if not prompt_ids:
-            raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
-        if max_tokens is None:
-            max_tokens = sched.max_tokens_for(len(prompt_ids))
-        try:
-            sched.check(len(prompt_ids), max_tokens)
-        except LimitError as e:
-            raise ApiError(400, str(e), param=e.param, code="context_length_exceeded") from None
+        n = body.n or 1
+        for i, prompt_ids in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not prompt_ids:
+                raise ApiError(400, "the prompt encodes to no tokens", param=param)
+            limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
+            try:
+                sched.check(len(prompt_ids), limit)
+            except LimitError as e:
+                raise ApiError(
+                    400, str(e), param=e.param or param, code="context_length_exceeded"
+                ) from None
         stop_ids = frozenset(body.stop_token_ids or ())
         self._check_ids(sorted(stop_ids), "stop_token_ids")
         stops = body.stop_strings()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         reqs = []
         choices = []
-        for i in range(body.n):
-            seed = body.seed
-            if seed is not None and body.n > 1:
-                seed = (seed + i) % (1 << 63)
-            params = SamplingParams(
-                temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), seed=seed
-            )
-            reqs.append(
-                Request(
-                    prompt_ids,
-                    max_tokens,
-                    params,
-                    stop_ids=stop_ids,
-                    ignore_eos=body.ignore_eos,
-                    num_logprobs=num_logprobs,
-                    sink=queue,
-                    index=i,
-                    counts_prompt=i == 0,
+        for p, prompt_ids in enumerate(prompts):
+            limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
+            for j in range(n):
+                index = p * n + j
+                seed = body.seed
+                if seed is not None and n > 1:
+                    seed = (seed + j) % (1 << 63)
+                reqs.append(
+                    Request(
+                        prompt_ids,
+                        limit,
+                        self._sampling(body, seed),
+                        stop_ids=stop_ids,
+                        ignore_eos=bool(body.ignore_eos),
+                        num_logprobs=num_logprobs,
+                        min_tokens=body.min_tokens or 0,
+                        sink=queue,
+                        index=index,
+                        counts_prompt=j == 0,
+                    )
                 )
-            )
-            choices.append(
-                _Choice(
-                    i,
-                    self.tokenizer.stream(skip_special_tokens=True),
-                    stops,
-                    max((len(s) for s in stops), default=1) - 1,
+                choices.append(
+                    _Choice(
+                        index,
+                        self.tokenizer.stream(skip_special_tokens=True),
+                        stops,
+                        max((len(s) for s in stops), default=1) - 1,
+                        include_stop=bool(body.include_stop_str_in_output),
+                    )
                 )
-            )
-        run = _Run(self, body, chat, prompt_ids, reqs, choices, queue)
+        run = _Run(self, body, chat, prompts, n, reqs, choices, queue)
         record = _RECORD.get()
         if record is not None:
             record.run = run
             if self.settings is not None and self.settings.log_prompts:
-                record.prompt = self.tokenizer.decode(prompt_ids)
+                record.prompt = self.tokenizer.decode(prompts[0])
         for r in reqs:
             sched.submit(r)
         self._runs.add(run)
@@ -665,14 +765,40 @@ class App:
                     sched.abort(r)
 
 
+def sampling_defaults(checkpoint: Path) -> dict[str, float]:
+    """The sampling parameters a checkpoint's generation_config.json sets, by kern's names
+    (vLLM serves these as the defaults of a request that leaves them unset). A file that is
+    missing or unreadable sets none; values of the wrong type are left out."""
+    import json
+
+    file = Path(checkpoint) / "generation_config.json"
+    try:
+        gen = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(gen, dict):
+        return {}
+    out: dict[str, float] = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = gen.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = value
+    if gen.get("do_sample") is False:
+        out["temperature"] = 0.0  # the checkpoint decodes greedily by default
+    return out
+
+
 class _Run:
     """One HTTP generation: its sequences' events turned into a response or a stream."""
 
-    def __init__(self, app: App, body: Any, chat: bool, prompt_ids, reqs, choices, queue) -> None:
+    def __init__(
+        self, app: App, body: Any, chat: bool, prompts, n: int, reqs, choices, queue
+    ) -> None:
         self.app = app
         self.body = body
         self.chat = chat
-        self.prompt_ids = prompt_ids
+        self.prompts: list[list[int]] = prompts
+        self.n = n
         self.reqs: list[Request] = reqs
         self.choices: list[_Choice] = choices
         self.queue: asyncio.Queue[Any] = queue
@@ -700,7 +826,7 @@ class _Run:
                     for ch in self.choices:
                         if not ch.done and ch.finish is None:
                             ch.finish = "abort"
-                            out.append((ch, ch.flush(), "abort"))
+                            out.append((ch, ch.flush()[0], "abort"))
                         ch.done = True
                     left = 0
                     break
@@ -724,15 +850,19 @@ class _Run:
                     if ch.finish is None:
                         text, stopped = ch.flush()
                         ch.finish = "stop" if stopped else reason
+                        if not stopped and reason == "stop" and ch.ids:
+                            last = ch.ids[-1]
+                            if last in req.stop_ids:
+                                ch.stop_reason = last
                         out.append((ch, text, ch.finish))
             if out:
                 yield out
 
     def usage(self) -> api.Usage:
         completion = sum(len(c.ids) for c in self.choices)
-        cached = self.reqs[0].cached_tokens or 0
-        n = len(self.prompt_ids)
-        return api.Usage(n, completion, n + completion, api.PromptTokensDetails(cached))
+        prompt = sum(len(p) for p in self.prompts)
+        cached = sum(self.reqs[p * self.n].cached_tokens or 0 for p in range(len(self.prompts)))
+        return api.Usage(prompt, completion, prompt + completion, api.PromptTokensDetails(cached))
 
     def _token_ids(self, ch: _Choice) -> list[int] | None:
         return list(ch.ids) if self.body.return_token_ids else None
@@ -743,13 +873,15 @@ class _Run:
                 ch.text.append(text)
         if self.shut:
             raise ApiError(503, "the server is shutting down", type="server_error")
+        lp = self._lp()
         if self.chat:
             chat_choices = [
                 api.ChatChoice(
                     c.index,
                     api.AssistantMessage("".join(c.text)),
-                    self._chat_logprobs(c.logprobs) if c.logprobs or self._lp() else None,
+                    self._chat_logprobs(c.logprobs) if lp else None,
                     c.finish,  # type: ignore[arg-type]
+                    c.stop_reason,
                     self._token_ids(c),
                 )
                 for c in self.choices
@@ -762,8 +894,9 @@ class _Run:
                 api.CompletionChoice(
                     c.index,
                     "".join(c.text),
-                    self._completion_logprobs(c.logprobs) if self._lp() else None,
+                    self._completion_logprobs(c, 0, len(c.logprobs), 0) if lp else None,
                     c.finish,  # type: ignore[arg-type]
+                    c.stop_reason,
                     self._token_ids(c),
                 )
                 for c in self.choices
@@ -779,11 +912,14 @@ class _Run:
     async def stream(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE})
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        usage_field = None
         model = self.app.model_name
+        lp = self._lp()
+        offsets = [0] * len(self.choices)  # completions logprobs: text offset of the next entry
         if self.chat:
             first = [
-                api.ChatChunkChoice(c.index, api.Delta(role="assistant", content=""), None, None)
+                api.ChatChunkChoice(
+                    c.index, api.Delta(role="assistant", content=""), None, None, None
+                )
                 for c in self.choices
             ]
             chunk = api.ChatCompletionChunk(self.id, self.created, model, first)
@@ -791,34 +927,39 @@ class _Run:
         async for batch in self.events():
             lines = []
             for ch, text, finish in batch:
-                lp_start = len(ch.logprobs) - (1 if ch.logprobs and text else 0)
+                # Every logprob entry not sent yet, once each: a token that released no text
+                # goes out with the next chunk, and the final chunk carries all the rest.
+                start, end = ch.sent_logprobs, len(ch.logprobs)
+                ch.sent_logprobs = end
+                stop_reason = ch.stop_reason if finish else None
                 if self.chat:
-                    lp = self._chat_logprobs(ch.logprobs[lp_start:]) if self._lp() else None
+                    entries = self._chat_logprobs(ch.logprobs[start:end]) if lp else None
                     cc = api.ChatChunkChoice(
                         ch.index,
                         api.Delta(content=text) if text else api.Delta(),
-                        lp,
+                        entries,
                         finish,  # type: ignore[arg-type]
+                        stop_reason,
                         self._token_ids(ch) if finish else None,
                     )
                     lines.append(
-                        api.encode(
-                            api.ChatCompletionChunk(self.id, self.created, model, [cc], usage_field)
-                        )
+                        api.encode(api.ChatCompletionChunk(self.id, self.created, model, [cc]))
                     )
                 else:
-                    lp2 = self._completion_logprobs(ch.logprobs[lp_start:]) if self._lp() else None
+                    entries2 = None
+                    if lp:
+                        entries2 = self._completion_logprobs(ch, start, end, offsets[ch.index])
+                        offsets[ch.index] += sum(len(p) for p in ch.pieces[start:end])
                     c2 = api.CompletionChoice(
                         ch.index,
                         text,
-                        lp2,
+                        entries2,
                         finish,  # type: ignore[arg-type]
+                        stop_reason,
                         self._token_ids(ch) if finish else None,
                     )
                     lines.append(
-                        api.encode(
-                            api.CompletionResponse(self.id, self.created, model, [c2], usage_field)
-                        )
+                        api.encode(api.CompletionResponse(self.id, self.created, model, [c2]))
                     )
             await _send_sse(send, lines)
         tail = []
@@ -838,33 +979,40 @@ class _Run:
         body = b"".join(b"data: " + line + b"\n\n" for line in tail) + _DONE
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    def _token_text(self, token: int) -> str:
-        return self.app.tokenizer.decode([token])
+    def _display(self, token: int) -> tuple[str, bytes]:
+        """A token's text for logprobs and its bytes. A token holding part of a UTF-8
+        character is written ``bytes:\\xNN...``, as OpenAI does, so keys never collide."""
+        raw = self.app.tokenizer.token_bytes(token)
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
-    def _completion_logprobs(self, entries) -> api.CompletionLogprobs:
+    def _completion_logprobs(
+        self, ch: _Choice, start: int, end: int, offset: int
+    ) -> api.CompletionLogprobs:
+        """Entries ``start:end`` of ``ch``: ``tokens`` are the text each token released, so
+        they join back to the answer's text, and ``text_offset`` is where each begins."""
         tokens, token_lps, tops, offsets = [], [], [], []
-        offset = 0
-        for tok, lp, top in entries:
-            s = self._token_text(tok)
-            tokens.append(s)
+        for k in range(start, end):
+            _tok, lp, top = ch.logprobs[k]
+            piece = ch.pieces[k] if k < len(ch.pieces) else ""
+            tokens.append(piece)
             token_lps.append(lp)
-            tops.append({self._token_text(i): v for i, v in top})
+            tops.append({self._display(i)[0]: v for i, v in top})
             offsets.append(offset)
-            offset += len(s)
+            offset += len(piece)
         return api.CompletionLogprobs(tokens, token_lps, tops, offsets)
 
     def _chat_logprobs(self, entries) -> api.ChatLogprobs:
         content = []
         for tok, lp, top in entries:
-            s = self._token_text(tok)
-            content.append(
-                api.TokenLogprob(
-                    s,
-                    lp,
-                    list(s.encode()),
-                    [api.TopLogprob(t := self._token_text(i), v, list(t.encode())) for i, v in top],
-                )
-            )
+            text, raw = self._display(tok)
+            tops = []
+            for i, v in top:
+                t, b = self._display(i)
+                tops.append(api.TopLogprob(t, v, list(b)))
+            content.append(api.TokenLogprob(text, lp, list(raw), tops))
         return api.ChatLogprobs(content)
 
 

@@ -79,8 +79,10 @@ class RequestRecord:
             reqs = run.reqs
             firsts = [r.t_first - r.t_submit for r in reqs if r.num_output]
             finish = ",".join(c.finish or "-" for c in run.choices)
+            usage = run.usage()
             parts.append(
-                f"prompt={len(run.prompt_ids)} cached={reqs[0].cached_tokens or 0} "
+                f"prompt={usage.prompt_tokens} "
+                f"cached={usage.prompt_tokens_details.cached_tokens} "
                 f"output={sum(len(c.ids) for c in run.choices)} finish={finish} "
                 f"ttft={f'{min(firsts):.3f}s' if firsts else '-'}"
             )

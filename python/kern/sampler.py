@@ -9,9 +9,17 @@ Design notes
   batch, however its steps were batched, and at any speculative ``rows`` (a verify row drawing
   token i uses draw index i, as plain decoding would), without a generator object per request
   to carry, park or restore. A request without a seed gets a fresh random one per draw.
+* Logits processing, per row, before greedy or random choice (vLLM's meanings): ``logit_bias``
+  added; ``repetition_penalty`` over the prompt and output tokens (a positive logit divided by
+  it, a negative one multiplied); ``frequency_penalty`` times each output token's count and
+  ``presence_penalty`` once per output token seen, subtracted (OpenAI's); tokens ``banned``
+  (end of sequence and stop ids before ``min_tokens``) set to -inf. Each touches its own row
+  only, so a request's answer does not depend on its batch.
 * Filtering is the usual order: temperature, then top-k, then top-p (the smallest set of
   most likely tokens whose probability reaches top_p; ties in rank are broken by token id),
-  then inverse-CDF sampling in float64 over what is left.
+  then min-p (tokens below ``min_p`` times the top probability), then inverse-CDF sampling in
+  float64 over what is left.
+* Logprobs are the model's, before any processing (vLLM's default, "raw").
 * Both functions take the runner's logits as they come and return plain Python values, so
   the scheduler that calls them never handles a tensor.
 """
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["LogprobEntry", "SamplingParams", "logprobs", "sample"]
+__all__ = ["Context", "LogprobEntry", "SamplingParams", "logprobs", "sample"]
 
 # The chosen token's logprob and the top ones as (token id, logprob), most likely first.
 LogprobEntry = tuple[float, list[tuple[int, float]]]
@@ -41,6 +49,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -49,25 +63,85 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def processes(self) -> bool:
+        """Whether the logits change before the choice (penalties or a bias)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What logits processing needs of a row's request: its tokens so far (prompt, then
+    output) and how many are prompt; ids it may not produce at this step."""
+
+    tokens: Sequence[int]
+    num_prompt: int
+    banned: frozenset[int] = frozenset()
+
 
 GREEDY = SamplingParams()
 
 
-def sample(logits: Tensor, params: Sequence[SamplingParams], draw_ids: Sequence[int]) -> list[int]:
+def sample(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    draw_ids: Sequence[int],
+    contexts: Sequence[Context | None] | None = None,
+) -> list[int]:
     """One token per row of ``logits`` [N, vocab] (float32): row i with ``params[i]``, as the
-    ``draw_ids[i]``-th token its request produces. Pure."""
+    ``draw_ids[i]``-th token its request produces, its logits processed with ``contexts[i]``
+    (needed where ``params[i].processes`` or tokens are banned). Pure."""
     if len(params) != logits.shape[0] or len(draw_ids) != logits.shape[0]:
         raise ValueError("need one SamplingParams and one draw index per row")
+    if contexts is not None and len(contexts) != logits.shape[0]:
+        raise ValueError("need one context (or None) per row")
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
+        row = logits[i]
+        ctx = contexts[i] if contexts is not None else None
+        if ctx is not None and (p.processes or ctx.banned):
+            row = _process(row, p, ctx)
+            if p.greedy:
+                out[i] = int(row.argmax())
+        elif p.processes:
+            raise ValueError(f"row {i}: penalties or a logit bias need the row's context")
         if not p.greedy:
-            out[i] = _sample_row(logits[i], p, draw_ids[i])
+            out[i] = _sample_row(row, p, draw_ids[i])
     return out
+
+
+def _process(row: Tensor, p: SamplingParams, ctx: Context) -> Tensor:
+    x = row.detach().to("cpu", torch.float32).clone()
+    vocab = x.shape[0]
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long)
+        bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=torch.float32)
+        x.index_add_(0, ids, bias)
+    if p.repetition_penalty != 1.0 and len(ctx.tokens):
+        seen = torch.unique(torch.tensor(list(ctx.tokens), dtype=torch.long).clamp(max=vocab - 1))
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and len(ctx.tokens) > ctx.num_prompt:
+        out = torch.tensor(list(ctx.tokens[ctx.num_prompt :]), dtype=torch.long)
+        counts = torch.bincount(out.clamp(max=vocab - 1), minlength=vocab).to(torch.float32)
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(torch.float32)
+    if ctx.banned:
+        x[torch.tensor([t for t in ctx.banned if t < vocab], dtype=torch.long)] = -torch.inf
+    return x
 
 
 def logprobs(logits: Tensor, row: int, token: int, top: int) -> LogprobEntry:
@@ -97,6 +171,10 @@ def _sample_row(logits: Tensor, p: SamplingParams, draw_id: int) -> int:
     if p.top_p < 1.0:
         before = torch.cumsum(probs, dim=0) - probs  # mass strictly above each token
         keep = int((before < p.top_p).sum())
+        probs = probs[: max(keep, 1)]
+    if p.min_p > 0.0:
+        # Sorted descending: the tokens at or above min_p times the top are a prefix.
+        keep = int((probs >= p.min_p * probs[0]).sum())
         probs = probs[: max(keep, 1)]
     cdf = torch.cumsum(probs, dim=0)
     u = torch.rand((), generator=_generator(p.seed, draw_id), dtype=torch.float64)

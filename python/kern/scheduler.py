@@ -73,7 +73,7 @@ from kern.batch import SeqChunk
 from kern.metrics import Metrics
 from kern.pool import Cache, Evicted, Match, PoolFull
 from kern.runner import Runner
-from kern.sampler import LogprobEntry, SamplingParams, logprobs, sample
+from kern.sampler import Context, LogprobEntry, SamplingParams, logprobs, sample
 
 __all__ = ["Event", "LimitError", "Request", "Scheduler", "start_scheduler"]
 
@@ -102,6 +102,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     num_logprobs: int | None = None
+    # End of sequence and stop ids are banned until this many tokens are out.
+    min_tokens: int = 0
     # False for the 2nd..nth sequence of a request of n choices: its prompt counts once.
     counts_prompt: bool = True
     # Opaque to the scheduler: where the app routes this request's events.
@@ -589,7 +591,13 @@ class Scheduler:
                 self._prompt_snapshot(req)
         if not rows:
             return
-        picked = sample(logits, [r.params for r in rows], [r.num_output for r in rows])
+        contexts = [self._context(r) for r in rows]
+        picked = sample(
+            logits,
+            [r.params for r in rows],
+            [r.num_output for r in rows],
+            contexts if any(c is not None for c in contexts) else None,
+        )
         now = time.perf_counter()
         m = self.metrics
         m.generation_tokens.inc(len(rows))
@@ -657,6 +665,15 @@ class Scheduler:
         if req.node is not None:
             cache.unlock(req.node)
         req.node = m.node
+
+    def _context(self, req: Request) -> Context | None:
+        """What the sampler's logits processing needs of ``req``, or None if it needs none."""
+        banned: frozenset[int] = frozenset()
+        if req.num_output < req.min_tokens:
+            banned = req.stop_ids | self.eos
+        if not banned and not req.params.processes:
+            return None
+        return Context(req.tokens, len(req.prompt_ids), banned)
 
     def _grow(self, req: Request, k: int) -> bool:
         """Pages for ``req``'s next ``k`` tokens, preempting the youngest running requests

@@ -103,6 +103,8 @@ class Tokenizer:
         )
         self._added = re.compile("|".join(map(re.escape, added))) if added else None
         self._plain: tokenizers.Tokenizer | None = None  # made on first use
+        self._byte_table: dict[str, int] | None = None  # made on first use
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
         # The UTF-8 length of the longest token: no token covers more bytes of the text.
         self.max_token_bytes = max(
             (len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)),
@@ -241,6 +243,21 @@ class Tokenizer:
             self._plain = plain
         return self._plain
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text one token stands for (a byte-level BPE token may hold part of a
+        UTF-8 character, which ``decode([id])`` shows as U+FFFD)."""
+        if self._byte_table is None:
+            self._byte_table = _byte_level_table(self._tok)
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return b""
+        table = self._byte_table
+        if table and token_id not in self._added_ids and all(c in table for c in token):
+            return bytes(table[c] for c in token)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode(
+            "utf-8", "surrogatepass"
+        )
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``. Ids without a token (padding rows of the embedding) add nothing.
 
@@ -345,6 +362,24 @@ class TextStream:
 
     def _decode(self) -> str:
         return self._tok.decode(self._ids[self._start :], skip_special_tokens=self._skip)
+
+
+def _byte_level_table(backend: tokenizers.Tokenizer) -> dict[str, int]:
+    """Byte-level BPE's character -> byte map (GPT-2's printable stand-ins for the 256 bytes),
+    or {} when the decoder is not byte-level."""
+    spec = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = {spec.get("type")} | {d.get("type") for d in spec.get("decoders") or []}
+    if "ByteLevel" not in kinds:
+        return {}
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
 def _read_template(path: Path, config: dict[str, Any], config_file: Path) -> str | None:
