@@ -112,3 +112,51 @@ def test_a_tiny_temperature_is_greedy_not_nan(temperature):
     x = logits(8) * 50
     p = SamplingParams(temperature=temperature, seed=1)
     assert sample(x, [p] * 8, range(8)) == x.argmax(-1).tolist()
+
+
+def _reference_process(row, p, tokens, num_prompt, banned):
+    """Each processor as its definition says, one token at a time."""
+    x = row.clone().tolist()
+    for t, b in p.logit_bias:
+        x[t] += b
+    if p.repetition_penalty != 1.0:
+        for t in set(tokens):
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    out = list(tokens[num_prompt:])
+    for t in set(out):
+        x[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    for t in banned:
+        x[t] = float("-inf")
+    return torch.tensor(x)
+
+
+def test_logits_processing_matches_its_definitions_and_the_batch():
+    from kern.sampler import Context, _process
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=gen)
+    params = [
+        SamplingParams(presence_penalty=0.7, frequency_penalty=-0.3),
+        SamplingParams(repetition_penalty=1.7, logit_bias=((3, 5.0), (9, -2.5))),
+        SamplingParams(),
+        SamplingParams(repetition_penalty=0.5, presence_penalty=2.0, logit_bias=((0, 100.0),)),
+    ]
+    contexts = [
+        Context([1, 2, 3, 3, 7, 7, 7], 2),
+        Context([4, 9, 9, 11], 1, frozenset({5, 6})),
+        Context([1], 1, frozenset({0})),
+        Context([0, 0, 49, 49, 1], 3),
+    ]
+    got = _process(logits, [0, 1, 2, 3], params, contexts)
+    for i in range(4):
+        c = contexts[i]
+        want = _reference_process(logits[i], params[i], c.tokens, c.num_prompt, c.banned)
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
+        # The same row alone: the same bits.
+        alone = _process(logits, [i], [params[i]], [c])
+        assert torch.equal(alone[0], got[i])
+    # Greedy with a ban never picks the banned id; a bias of 100 always wins.
+    picked = sample(logits, params, [0] * 4, contexts)
+    assert picked[2] != 0 and picked[3] == 0
+    with pytest.raises(ValueError, match="context"):
+        sample(logits, params, [0] * 4)

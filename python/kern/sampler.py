@@ -110,37 +110,62 @@ def sample(
     if contexts is not None and len(contexts) != logits.shape[0]:
         raise ValueError("need one context (or None) per row")
     out = logits.argmax(dim=-1).tolist()
+    rows = []
     for i, p in enumerate(params):
-        row = logits[i]
         ctx = contexts[i] if contexts is not None else None
         if ctx is not None and (p.processes or ctx.banned):
-            row = _process(row, p, ctx)
-            if p.greedy:
-                out[i] = int(row.argmax())
+            rows.append(i)
         elif p.processes:
             raise ValueError(f"row {i}: penalties or a logit bias need the row's context")
+    processed: dict[int, Tensor] = {}
+    if rows:
+        assert contexts is not None
+        x = _process(logits, rows, [params[i] for i in rows], [contexts[i] for i in rows])
+        best = x.argmax(dim=-1).tolist()
+        for k, i in enumerate(rows):
+            processed[i] = x[k]
+            if params[i].greedy:
+                out[i] = best[k]
+    for i, p in enumerate(params):
         if not p.greedy:
-            out[i] = _sample_row(row, p, draw_ids[i])
+            out[i] = _sample_row(processed.get(i, logits[i]), p, draw_ids[i])
     return out
 
 
-def _process(row: Tensor, p: SamplingParams, ctx: Context) -> Tensor:
-    x = row.detach().to("cpu", torch.float32).clone()
-    vocab = x.shape[0]
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], dtype=torch.long)
-        bias = torch.tensor([b for t, b in p.logit_bias if t < vocab], dtype=torch.float32)
-        x.index_add_(0, ids, bias)
-    if p.repetition_penalty != 1.0 and len(ctx.tokens):
-        seen = torch.unique(torch.tensor(list(ctx.tokens), dtype=torch.long).clamp(max=vocab - 1))
-        v = x[seen]
-        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and len(ctx.tokens) > ctx.num_prompt:
-        out = torch.tensor(list(ctx.tokens[ctx.num_prompt :]), dtype=torch.long)
-        counts = torch.bincount(out.clamp(max=vocab - 1), minlength=vocab).to(torch.float32)
-        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(torch.float32)
-    if ctx.banned:
-        x[torch.tensor([t for t in ctx.banned if t < vocab], dtype=torch.long)] = -torch.inf
+def _process(
+    logits: Tensor, rows: list[int], params: list[SamplingParams], contexts: list[Context]
+) -> Tensor:
+    """The processed logits of ``rows`` [R, vocab]: a few batched ops, each elementwise
+    within a row (no sum or max across tokens or rows), so a row's result does not depend on
+    which rows share its batch."""
+    x = logits[rows].detach().to("cpu", torch.float32).clone()
+    vocab = x.shape[1]
+
+    def pairs(per_row) -> tuple[Tensor, Tensor]:
+        r = [k for k, ids in enumerate(per_row) for t in ids if 0 <= t < vocab]
+        t = [t for ids in per_row for t in ids if 0 <= t < vocab]
+        return torch.tensor(r, dtype=torch.long), torch.tensor(t, dtype=torch.long)
+
+    if any(p.logit_bias for p in params):
+        r, t = pairs([[tok for tok, _ in p.logit_bias] for p in params])
+        v = [b for p in params for tok, b in p.logit_bias if 0 <= tok < vocab]
+        x.index_put_((r, t), torch.tensor(v, dtype=torch.float32), accumulate=True)
+    rep = [p.repetition_penalty for p in params]
+    if any(v != 1.0 for v in rep):
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        seen[pairs([c.tokens if p.repetition_penalty != 1.0 else () for p, c in
+                    zip(params, contexts, strict=True)])] = True  # fmt: skip
+        penalty = torch.tensor(rep, dtype=torch.float32).unsqueeze(1)
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        counts = torch.zeros_like(x)
+        r, t = pairs([c.tokens[c.num_prompt :] for c in contexts])
+        counts.index_put_((r, t), torch.ones(len(t), dtype=torch.float32), accumulate=True)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+        x = x - (freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).to(x.dtype))
+    if any(c.banned for c in contexts):
+        x[pairs([sorted(c.banned) for c in contexts])] = -torch.inf
     return x
 
 

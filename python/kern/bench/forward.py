@@ -69,14 +69,14 @@ def kern_decode(
     logits = runner.forward(
         [SeqChunk(p, 0, t, slot=i) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
     )
-    first = sample(logits, greedy, [0] * n).tolist()
+    first = sample(logits, greedy, [0] * n)
     start = len(prompts[0])
 
     def run() -> None:
         tokens, pos = first, start
         for s in range(steps):
             batch = [SeqChunk([tokens[i]], pos, tables[i], slot=i) for i in range(n)]
-            tokens = sample(runner.forward(batch), greedy, [s + 1] * n).tolist()
+            tokens = sample(runner.forward(batch), greedy, [s + 1] * n)
             pos += 1
 
     return best(run, repeat)

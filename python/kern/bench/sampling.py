@@ -1,0 +1,117 @@
+"""The cost of logits processing per decode step: ``python -m kern.bench.sampling``.
+
+A batch of ``--batch`` sequences decodes ``--steps`` steps on the CPU (the embedded tiny model,
+or the ~88M one of ``kern.bench.forward`` with ``--model 100m``), as the scheduler runs them:
+one forward, then ``kern.sampler.sample`` over the batch's logits. Three runs, in turn, on the
+same runner: greedy with nothing else; greedy with presence, frequency and repetition
+penalties, a logit bias and ``min_tokens`` banning the end tokens (every processor kern
+has); random sampling (temperature 0.8, top-p 0.9, min-p 0.05, seeded) with the same
+processors. Prints the median step time of each and what the processing adds to the plain
+step. Target (docs/performance.md): under 10% of the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kern.batch import SeqChunk
+from kern.checkpoint import load_checkpoint
+from kern.runner import Runner
+from kern.sampler import Context, SamplingParams, sample
+from kern.tiny import default_model_path, make_tiny
+
+
+def decode_steps(runner: Runner, prompts, params, steps: int, page: int, processed: bool):
+    """Per-step seconds of ``steps`` decode steps (forward + sample) of the batch."""
+    n = len(prompts)
+    pages = -(-(len(prompts[0]) + steps + 1) // page)
+    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(n)]
+    tokens = [list(p) for p in prompts]
+    logits = runner.forward(
+        [SeqChunk(p, 0, t, slot=i) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    )
+    banned = frozenset({0, 1, 2})
+    times = []
+    for s in range(steps + 1):
+        t0 = time.perf_counter()
+        if s:
+            batch = [
+                SeqChunk([tokens[i][-1]], len(tokens[i]) - 1, tables[i], slot=i) for i in range(n)
+            ]
+            logits = runner.forward(batch)
+        contexts = None
+        if processed:
+            contexts = [Context(t, len(prompts[0]), banned) for t in tokens]
+        picked = sample(logits, params, [s] * n, contexts)
+        for i, tok in enumerate(picked):
+            tokens[i].append(tok)
+        if s:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kern.bench.sampling", description=__doc__)
+    ap.add_argument("--model", choices=("tiny", "100m"), default="tiny")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model == "tiny":
+            path = default_model_path()
+        else:
+            from kern.bench.forward import MODEL_100M
+
+            path = make_tiny("qwen3", Path(tmp) / "m", seed=0, **MODEL_100M)
+        ckpt = load_checkpoint(path)
+        page = 16
+        pages = -(-(args.prompt + args.steps + 1) // page)
+        runner = Runner.with_pages(
+            ckpt, num_pages=pages * args.batch, page_tokens=page, num_slots=args.batch
+        )
+        vocab = ckpt.config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(3, vocab, (args.batch, args.prompt), generator=gen).tolist()
+        procs = dict(
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            repetition_penalty=1.2,
+            logit_bias=tuple((t, 2.0) for t in range(3, 40)),
+        )
+        runs = {
+            "greedy, plain": ([SamplingParams()] * args.batch, False),
+            "greedy, all processors": ([SamplingParams(**procs)] * args.batch, True),
+            "sampled, all processors": (
+                [
+                    SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, seed=i, **procs)
+                    for i in range(args.batch)
+                ],
+                True,
+            ),
+        }
+        got: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(args.rounds):
+            for name, (params, processed) in runs.items():
+                got[name] += decode_steps(runner, prompts, params, args.steps, page, processed)
+    base = statistics.median(got["greedy, plain"])
+    print(
+        f"model {args.model} (vocab {vocab}), batch {args.batch}, context {args.prompt}, "
+        f"{args.steps} steps x {args.rounds} rounds; median ms per decode step:"
+    )
+    for name, times in got.items():
+        med = statistics.median(times)
+        print(f"  {name:26s} {med * 1e3:8.2f} ms  ({(med / base - 1) * 100:+.1f}% vs plain)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
