@@ -86,6 +86,7 @@ IMPLEMENTED = {
     "stop", "stream_options", "temperature", "top_logprobs", "top_p", "user",
     # Without tools (refused when given) it asks for nothing, as in OpenAI's API.
     "parallel_tool_calls",
+    "response_format",
 }  # fmt: skip
 
 
@@ -375,3 +376,126 @@ def test_the_official_client_reads_it_all(server):
             tools=SAMPLES["tools"],  # type: ignore[arg-type]
         )
     assert api.UNSUPPORTED  # the refused list the docs name
+
+
+# --- structured output ----------------------------------------------------------------------
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["name", "age", "ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+        },
+        "required": ["color", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"x": {"type": "number", "minimum": -5, "maximum": 5}},
+            "required": ["x"],
+            "additionalProperties": False,
+        },
+        "minItems": 1,
+        "maxItems": 3,
+    },
+]
+
+
+def _json_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+
+
+def test_json_schema_outputs_validate_every_time(server):
+    import jsonschema
+
+    for k, schema in enumerate(SCHEMAS):
+        for seed in range(20):
+            r = chat(
+                server,
+                messages=[{"role": "user", "content": f"give me json {seed}"}],
+                response_format=_json_format(schema),
+                temperature=1.0,
+                seed=seed,
+                max_tokens=400,
+            )
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "stop", (k, seed, choice)
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_json_object_and_completions(server):
+    for seed in range(5):
+        r = complete(
+            server, prompt="{", response_format={"type": "json_object"}, seed=seed,
+            temperature=1.0, max_tokens=300,
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert isinstance(json.loads(r.json()["choices"][0]["text"]), dict)
+
+
+def test_constrained_answers_are_batch_invariant(server):
+    cases = [
+        {"messages": [{"role": "user", "content": f"q{i}"}], "seed": i, "temperature": 0.9,
+         "response_format": _json_format(SCHEMAS[i % 3]), "max_tokens": 300,
+         "presence_penalty": 0.3 if i % 2 else 0, "return_token_ids": True}
+        for i in range(9)
+    ]  # fmt: skip
+
+    def ids(c):
+        r = chat(server, **c)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    alone = [ids(c) for c in cases]
+    with concurrent.futures.ThreadPoolExecutor(9) as pool:
+        burst = list(pool.map(ids, cases))
+    assert burst == alone
+
+
+def test_bad_response_formats(server):
+    for fmt, bad in [
+        ({"type": "xml"}, "type"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "wizard"}}}, "compile"),
+        ({"type": "json_schema", "json_schema": "nope"}, "json_schema"),
+    ]:
+        r = chat(server, max_tokens=2, response_format=fmt)
+        assert r.status_code == 400, (fmt, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "response_format" and bad in err["message"], err
+    r = chat(server, max_tokens=2, response_format={"type": "json_object"}, ignore_eos=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos"
+
+
+def test_the_official_client_parses_a_pydantic_model(server):
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=120)
+        admin: bool
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    for seed in range(5):
+        out = client.chat.completions.parse(
+            model=MODEL,
+            messages=[{"role": "user", "content": "a person"}],
+            response_format=Person,
+            seed=seed,
+            max_tokens=300,
+        )
+        person = out.choices[0].message.parsed
+        assert isinstance(person, Person), out

@@ -93,7 +93,6 @@ UNSUPPORTED: dict[str, Any] = {
     "parallel_tool_calls": lambda v: isinstance(v, bool),
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
-    "response_format": lambda v: v == {"type": "text"},
     "audio": _never,
     "modalities": lambda v: v == ["text"],
     "prediction": _never,
@@ -167,7 +166,9 @@ class _Sampling(Struct, kw_only=True):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked and compiled by the app
+    # (kern.structured).
+    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None

@@ -260,6 +260,7 @@ class App:
         self.vocab_size = 0
         self.max_model_len = 0
         self.gen_defaults: dict[str, float] = {}
+        self.grammars: Any = None
         self.created = int(time.time())
         self.api_key: bytes | None = None
         self.max_body = DEFAULT_MAX_BODY_BYTES
@@ -346,6 +347,9 @@ class App:
         self.vocab_size = engine.checkpoint.config.vocab_size
         self.max_model_len = engine.checkpoint.config.max_position_embeddings
         self.gen_defaults = sampling_defaults(target.checkpoint)
+        from kern.structured import Grammars
+
+        self.grammars = Grammars(self.tokenizer, self.vocab_size)
         self.metrics = Metrics(self.model_name, self.max_model_len)
         return engine.scheduler(self._deliver, metrics=self.metrics, on_crash=self._crashed)
 
@@ -651,6 +655,25 @@ class App:
         limit = body.token_limit()
         await self._generate(body, [prompt_ids], limit, body.num_logprobs(), True, receive, send)
 
+    async def _grammar(self, body: Any) -> Any:
+        """The compiled grammar of the request's response_format, or None."""
+        from kern.structured import StructuredOutputError
+
+        if body.response_format is None:
+            return None
+        try:
+            compiled = await asyncio.to_thread(self.grammars.compile, body.response_format)
+        except StructuredOutputError as e:
+            raise ApiError(400, f"response_format: {e}", param="response_format") from None
+        if compiled is not None and body.ignore_eos:
+            raise ApiError(
+                400,
+                "ignore_eos cannot go with a JSON response_format: the JSON ends with the end "
+                "of sequence",
+                param="ignore_eos",
+            )
+        return compiled
+
     def _sampling(self, body: Any, seed: int | None) -> SamplingParams:
         """The request's sampling parameters: what it set, else the checkpoint's
         generation_config.json default, else OpenAI's."""
@@ -709,6 +732,7 @@ class App:
         stop_ids = frozenset(body.stop_token_ids or ())
         self._check_ids(sorted(stop_ids), "stop_token_ids")
         stops = body.stop_strings()
+        grammar = await self._grammar(body)
         queue: asyncio.Queue[Any] = asyncio.Queue()
         reqs = []
         choices = []
@@ -728,6 +752,7 @@ class App:
                         ignore_eos=bool(body.ignore_eos),
                         num_logprobs=num_logprobs,
                         min_tokens=body.min_tokens or 0,
+                        grammar=None if grammar is None else self.grammars.matcher(grammar),
                         sink=queue,
                         index=index,
                         counts_prompt=j == 0,

@@ -13,8 +13,9 @@ Design notes
   added; ``repetition_penalty`` over the prompt and output tokens (a positive logit divided by
   it, a negative one multiplied); ``frequency_penalty`` times each output token's count and
   ``presence_penalty`` once per output token seen, subtracted (OpenAI's); tokens ``banned``
-  (end of sequence and stop ids before ``min_tokens``) set to -inf. Each touches its own row
-  only, so a request's answer does not depend on its batch.
+  (end of sequence and stop ids before ``min_tokens``) set to -inf; then a structured-output
+  grammar's mask (kern.structured). Each touches its own row only, so a request's answer does
+  not depend on its batch.
 * Filtering is the usual order: temperature, then top-k, then top-p (the smallest set of
   most likely tokens whose probability reaches top_p; ties in rank are broken by token id),
   then min-p (tokens below ``min_p`` times the top probability), then inverse-CDF sampling in
@@ -30,6 +31,7 @@ import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -91,6 +93,12 @@ class Context:
     tokens: Sequence[int]
     num_prompt: int
     banned: frozenset[int] = frozenset()
+    # A structured-output matcher (kern.structured.Matcher): masks the row's logits [1, V].
+    grammar: Any = None
+
+    @property
+    def masks(self) -> bool:
+        return bool(self.banned) or self.grammar is not None
 
 
 GREEDY = SamplingParams()
@@ -113,7 +121,7 @@ def sample(
     rows = []
     for i, p in enumerate(params):
         ctx = contexts[i] if contexts is not None else None
-        if ctx is not None and (p.processes or ctx.banned):
+        if ctx is not None and (p.processes or ctx.masks):
             rows.append(i)
         elif p.processes:
             raise ValueError(f"row {i}: penalties or a logit bias need the row's context")
@@ -166,6 +174,9 @@ def _process(
         x = x - (freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).to(x.dtype))
     if any(c.banned for c in contexts):
         x[pairs([sorted(c.banned) for c in contexts])] = -torch.inf
+    for k, c in enumerate(contexts):
+        if c.grammar is not None:
+            c.grammar.apply(x[k : k + 1])
     return x
 
 

@@ -104,6 +104,9 @@ class Request:
     num_logprobs: int | None = None
     # End of sequence and stop ids are banned until this many tokens are out.
     min_tokens: int = 0
+    # Structured output: a matcher the sampler masks with and this thread feeds each token
+    # (kern.structured.Matcher; opaque here).
+    grammar: Any = None
     # False for the 2nd..nth sequence of a request of n choices: its prompt counts once.
     counts_prompt: bool = True
     # Opaque to the scheduler: where the app routes this request's events.
@@ -615,7 +618,11 @@ class Scheduler:
                 m.itl.observe(now - req.t_last)
             req.t_last = now
             reason = None
-            if tok in req.stop_ids or (tok in self.eos and not req.ignore_eos):
+            if req.grammar is not None and not req.grammar.accept(tok):
+                # The mask allowed only what the grammar accepts: a refusal is a bug.
+                log.error("the structured-output grammar refused token %d; ending", tok)
+                reason = "abort"
+            elif tok in req.stop_ids or (tok in self.eos and not req.ignore_eos):
                 reason = "stop"
             elif req.num_output >= req.max_tokens:
                 reason = "length"
@@ -671,9 +678,9 @@ class Scheduler:
         banned: frozenset[int] = frozenset()
         if req.num_output < req.min_tokens:
             banned = req.stop_ids | self.eos
-        if not banned and not req.params.processes:
+        if not banned and not req.params.processes and req.grammar is None:
             return None
-        return Context(req.tokens, len(req.prompt_ids), banned)
+        return Context(req.tokens, len(req.prompt_ids), banned, req.grammar)
 
     def _grow(self, req: Request, k: int) -> bool:
         """Pages for ``req``'s next ``k`` tokens, preempting the youngest running requests
