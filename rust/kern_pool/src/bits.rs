@@ -64,6 +64,24 @@ impl Bits {
         was
     }
 
+    /// Word `w` (bits `64w..64w+64`); words past the end read as clear.
+    #[inline]
+    pub fn word(&self, w: u32) -> u64 {
+        self.words.get(w as usize).copied().unwrap_or(0)
+    }
+
+    /// Set the bits of `mask` in word `w` (`w` a word of this set).
+    #[inline]
+    pub fn or_word(&mut self, w: u32, mask: u64) {
+        self.words[w as usize] |= mask;
+    }
+
+    /// Clear word `w` (`w` a word of this set).
+    #[inline]
+    pub fn zero_word(&mut self, w: u32) {
+        self.words[w as usize] = 0;
+    }
+
     pub fn first(&self) -> Option<u32> {
         self.words
             .iter()
