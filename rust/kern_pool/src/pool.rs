@@ -526,13 +526,19 @@ impl Pool {
         }
         let up = kind == Kind::Pages;
         out.reserve(n);
+        // Partly used chunks go first, lowest (highest for slots) first; a chunk left partly
+        // used ends the loop, so each search resumes past the chunk before.
+        let mut next = if up { 0 } else { u32::MAX };
         while out.len() < n {
             let chunk = {
                 let Some(class) = self.class(kind) else { break };
                 let found = if up {
-                    class.partial.first().or_else(|| class.empty.first())
+                    class
+                        .partial
+                        .first_from(next)
+                        .or_else(|| class.empty.first())
                 } else {
-                    class.partial.last().or_else(|| class.empty.last())
+                    class.partial.last_to(next).or_else(|| class.empty.last())
                 };
                 match found {
                     Some(c) => Some(c),
@@ -548,6 +554,7 @@ impl Pool {
                 .allocated
                 .take_clear(c * per, (c + 1) * per, up, n - from, out);
             class.took(c, (out.len() - from) as u32);
+            next = if up { c + 1 } else { c.wrapping_sub(1) };
         }
         if out.len() < n {
             // Unreachable if available() is right; undo rather than leave a half-done call.
