@@ -22,7 +22,7 @@ hit length for every request and the same number of evictions: the run fails oth
 Timings are the cache calls of each request (building keys from the trace is not counted), one
 implementation after the other, ``--runs`` times each (alternating) at the largest size and
 proportionally more often at smaller ones (up to 10x), so every size replays about as many
-requests: a 2,000-request replay lasts ~15 ms, and one scheduler hiccup on a shared machine
+requests: a 2,000-request replay lasts 15-50 ms, and one scheduler hiccup on a shared machine
 would move a median of three. Medians reported. Pin the process to one core (``taskset -c 1``)
 on a shared machine.
 """
