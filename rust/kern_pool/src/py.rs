@@ -360,9 +360,9 @@ fn u32_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
 /// cost about 0.5 us here, half a 4,096-token match; a 32,768-token walk takes several us.
 const DETACH_TOKENS: usize = 32_768;
 
-/// Room for this many pages or more is made with the GIL released: freeing them takes several
-/// us; a request's room (tens to a few thousand pages) is made faster than the GIL's round
-/// trip.
+/// Room for this many pages or more is made with the GIL released: freeing them takes tens of
+/// us. A request's room (tens to a few thousand pages) takes about as long as the GIL's round
+/// trip, so it keeps the GIL.
 const DETACH_PAGES: u64 = 16_384;
 
 /// The longest cached prefix of a key (see `Cache.match`).
