@@ -20,8 +20,11 @@ same with its own free list. Both start from the same page capacity and must rep
 hit length for every request and the same number of evictions: the run fails otherwise.
 
 Timings are the cache calls of each request (building keys from the trace is not counted), one
-implementation after the other, ``--runs`` times each (alternating), medians reported. Pin the
-process to one core (``taskset -c 1``) on a shared machine.
+implementation after the other, ``--runs`` times each (alternating) at the largest size and
+proportionally more often at smaller ones (up to 10x), so every size replays about as many
+requests: a 2,000-request replay lasts 15-50 ms, and one scheduler hiccup on a shared machine
+would move a median of three. Medians reported. Pin the process to one core (``taskset -c 1``)
+on a shared machine.
 """
 
 from __future__ import annotations
@@ -276,11 +279,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--requests", default="2000,20000", help="comma-separated request counts")
     ap.add_argument("--page-tokens", default="1,16", help="comma-separated page sizes")
-    ap.add_argument("--runs", type=int, default=3, help="runs of each tree, alternating")
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="runs of each tree, alternating, at the largest size (more at smaller sizes)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.requests.split(",")]
     pts = [int(x) for x in args.page_tokens.split(",")]
+    if args.runs < 1 or min(sizes) < 1 or min(pts) < 1:
+        ap.error("--runs, --requests and --page-tokens must be positive")
     rows = []
     per_request: dict[tuple[int, int, str], float] = {}
     for n in sizes:
@@ -293,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
                 page_tokens=pt, page_bytes=PAGE_BYTES, device_bytes=budget
             ).device.num_pages
             runs: dict[str, list[Run]] = {"kern": [], "python": []}
-            for _ in range(args.runs):
+            num_runs = args.runs * min(10, max(1, max(sizes) // n))
+            for _ in range(num_runs):
                 for name, replay in (("kern", replay_kern), ("python", replay_python)):
                     gc.collect()
                     runs[name].append(replay(t, pt, budget))
@@ -306,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
                     )
             print(
                 f"{n} requests, page {pt}: {t.distinct:,} distinct tokens, {num_pages:,} pages; "
+                f"{num_runs} runs each; "
                 f"identical hits (sha256 {digest(k.hits)}) and evictions ({k.evicted:,})",
                 flush=True,
             )

@@ -64,11 +64,60 @@ impl Bits {
         was
     }
 
+    /// Word `w` (bits `64w..64w+64`); words past the end read as clear.
+    #[inline]
+    pub fn word(&self, w: u32) -> u64 {
+        self.words.get(w as usize).copied().unwrap_or(0)
+    }
+
+    /// Set the bits of `mask` in word `w` (`w` a word of this set).
+    #[inline]
+    pub fn or_word(&mut self, w: u32, mask: u64) {
+        self.words[w as usize] |= mask;
+    }
+
+    /// Clear word `w` (`w` a word of this set).
+    #[inline]
+    pub fn zero_word(&mut self, w: u32) {
+        self.words[w as usize] = 0;
+    }
+
     pub fn first(&self) -> Option<u32> {
         self.words
             .iter()
             .position(|&w| w != 0)
             .map(|i| i as u32 * 64 + self.words[i].trailing_zeros())
+    }
+
+    /// The lowest set bit at or above `i`.
+    pub fn first_from(&self, i: u32) -> Option<u32> {
+        let w = (i / 64) as usize;
+        let head = self.words.get(w)? & (u64::MAX << (i % 64));
+        if head != 0 {
+            return Some(w as u32 * 64 + head.trailing_zeros());
+        }
+        self.words[w + 1..]
+            .iter()
+            .position(|&x| x != 0)
+            .map(|k| (w + 1 + k) as u32 * 64 + self.words[w + 1 + k].trailing_zeros())
+    }
+
+    /// The highest set bit at or below `i`.
+    pub fn last_to(&self, i: u32) -> Option<u32> {
+        let w = ((i / 64) as usize).min(self.words.len().checked_sub(1)?);
+        let keep = if (i / 64) as usize > w {
+            u64::MAX
+        } else {
+            u64::MAX >> (63 - i % 64)
+        };
+        let head = self.words[w] & keep;
+        if head != 0 {
+            return Some(w as u32 * 64 + 63 - head.leading_zeros());
+        }
+        self.words[..w]
+            .iter()
+            .rposition(|&x| x != 0)
+            .map(|k| k as u32 * 64 + 63 - self.words[k].leading_zeros())
     }
 
     pub fn last(&self) -> Option<u32> {
@@ -276,6 +325,22 @@ mod tests {
         assert!(!b.get(500));
         assert_eq!(Bits::full(70).count(), 70);
         assert_eq!(Bits::full(64).last(), Some(63));
+    }
+
+    #[test]
+    fn first_from_and_last_to() {
+        let mut b = Bits::new(300);
+        for i in [0, 63, 64, 130, 299] {
+            b.set(i);
+        }
+        let want_from = |i: u32| (i..300).find(|&j| b.get(j));
+        let want_to = |i: u32| (0..=i.min(299)).rev().find(|&j| b.get(j));
+        for i in 0..320 {
+            assert_eq!(b.first_from(i), want_from(i), "from {i}");
+            assert_eq!(b.last_to(i), want_to(i), "to {i}");
+        }
+        assert_eq!(Bits::new(0).last_to(5), None);
+        assert_eq!(Bits::new(0).first_from(0), None);
     }
 
     #[test]

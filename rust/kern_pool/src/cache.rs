@@ -79,6 +79,12 @@ impl Cache {
         self.prefix.match_prefix(tokens)
     }
 
+    /// `match_prefix` with the page list written into `pages` (cleared first), reusing the
+    /// caller's buffer.
+    pub fn match_prefix_with(&mut self, tokens: &[u32], pages: Vec<PageId>) -> Match {
+        self.prefix.match_prefix_with(tokens, pages)
+    }
+
     /// What `match_prefix` would return, changing nothing.
     pub fn peek(&self, tokens: &[u32]) -> Match {
         self.prefix.peek(tokens)
@@ -115,6 +121,11 @@ impl Cache {
     /// Is this device page held by the tree?
     pub fn owns_page(&self, page: u32) -> bool {
         self.prefix.owns_page(page)
+    }
+
+    /// `alloc_pages` as raw ids into `out` (cleared first), reusing the caller's buffer.
+    pub fn alloc_pages_into(&mut self, n: usize, out: &mut Vec<u32>) -> Result<()> {
+        self.pool.alloc_into(Kind::Pages, n, out)
     }
 
     pub fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>> {

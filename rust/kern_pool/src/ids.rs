@@ -2,8 +2,18 @@
 //! where a device page is expected.
 
 /// A KV page position in the device arena: page `p` lives at byte `p * page_bytes`.
+/// Transparent, so a list of them is read as raw u32 ids without a copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(transparent)]
 pub struct PageId(pub u32);
+
+impl PageId {
+    /// The raw ids of a list of pages, in place.
+    pub fn raw(pages: &[PageId]) -> &[u32] {
+        // SAFETY: PageId is repr(transparent) over u32: same size, alignment and validity.
+        unsafe { std::slice::from_raw_parts(pages.as_ptr().cast::<u32>(), pages.len()) }
+    }
+}
 
 /// A recurrent-state slot position in the device arena.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -504,8 +504,17 @@ impl Pool {
 
     /// Allocate `n` objects of `kind`, all or nothing.
     pub fn alloc(&mut self, kind: Kind, n: usize) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        self.alloc_into(kind, n, &mut out)?;
+        Ok(out)
+    }
+
+    /// `alloc` into `out` (cleared first; left empty on an error): a caller that allocates
+    /// often reuses one buffer.
+    pub fn alloc_into(&mut self, kind: Kind, n: usize, out: &mut Vec<u32>) -> Result<()> {
+        out.clear();
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let available = self.available(kind);
         if self.class(kind).is_none() || (n as u64) > available {
@@ -516,14 +525,20 @@ impl Pool {
             });
         }
         let up = kind == Kind::Pages;
-        let mut out = Vec::with_capacity(n);
+        out.reserve(n);
+        // Partly used chunks go first, lowest (highest for slots) first; a chunk left partly
+        // used ends the loop, so each search resumes past the chunk before.
+        let mut next = if up { 0 } else { u32::MAX };
         while out.len() < n {
             let chunk = {
                 let Some(class) = self.class(kind) else { break };
                 let found = if up {
-                    class.partial.first().or_else(|| class.empty.first())
+                    class
+                        .partial
+                        .first_from(next)
+                        .or_else(|| class.empty.first())
                 } else {
-                    class.partial.last().or_else(|| class.empty.last())
+                    class.partial.last_to(next).or_else(|| class.empty.last())
                 };
                 match found {
                     Some(c) => Some(c),
@@ -537,24 +552,32 @@ impl Pool {
             let per = class.per_chunk;
             class
                 .allocated
-                .take_clear(c * per, (c + 1) * per, up, n - from, &mut out);
+                .take_clear(c * per, (c + 1) * per, up, n - from, out);
             class.took(c, (out.len() - from) as u32);
+            next = if up { c + 1 } else { c.wrapping_sub(1) };
         }
         if out.len() < n {
             // Unreachable if available() is right; undo rather than leave a half-done call.
-            self.free(kind, &out)?;
+            self.free(kind, out)?;
+            out.clear();
             return Err(KernError::Corrupt(format!(
                 "{}: available() overcounted",
                 Self::what(kind)
             )));
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Is `id` an allocated object of `kind`?
     #[inline]
     pub fn is_allocated(&self, kind: Kind, id: u32) -> bool {
         self.class(kind).is_some_and(|c| c.allocated.get(id))
+    }
+
+    /// Allocation bits `64w..64w+64` of `kind` (clear past the end).
+    #[inline]
+    pub fn allocated_word(&self, kind: Kind, w: u32) -> u64 {
+        self.class(kind).map_or(0, |c| c.allocated.word(w))
     }
 
     /// Free objects of `kind`, all or nothing: a double free, a repeat or an unknown id

@@ -19,7 +19,7 @@ use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt};
 
 use crate::cache::{Cache as CoreCache, CacheConfig, CacheStats};
 use crate::error::KernError;
-use crate::ids::{NodeId, SlotId};
+use crate::ids::{NodeId, PageId, SlotId};
 use crate::plan::{self, EntryKey as CoreKey};
 use crate::pool::Pool;
 use crate::prefix::Match as CoreMatch;
@@ -360,6 +360,11 @@ fn u32_bytes<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyBytes> {
 /// cost about 0.5 us here, half a 4,096-token match; a 32,768-token walk takes several us.
 const DETACH_TOKENS: usize = 32_768;
 
+/// Room for this many pages or more is made with the GIL released: freeing them takes tens of
+/// us. A request's room (tens to a few thousand pages) takes about as long as the GIL's round
+/// trip, so it keeps the GIL.
+const DETACH_PAGES: u64 = 16_384;
+
 /// The longest cached prefix of a key (see `Cache.match`).
 #[pyclass(frozen, module = "kern._pool")]
 pub struct Match {
@@ -369,7 +374,8 @@ pub struct Match {
     resident_len: u32,
     #[pyo3(get)]
     node: Option<u64>,
-    pages: Vec<u32>,
+    /// Built once, at the match: every read of `pages` returns this object.
+    pages: Py<PyBytes>,
     #[pyo3(get)]
     state_len: Option<u32>,
     #[pyo3(get)]
@@ -381,29 +387,29 @@ impl Match {
     /// Device pages covering `resident_len`, as little-endian uint32 bytes.
     #[getter]
     fn pages<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        u32_bytes(py, &self.pages)
+        self.pages.bind(py).clone()
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
             "Match(hit_len={}, resident_len={}, node={}, pages={}, state_len={}, state_slot={})",
             self.hit_len,
             self.resident_len,
             show(self.node),
-            self.pages.len(),
+            self.pages.bind(py).as_bytes().len() / 4,
             show(self.state_len),
             show(self.state_slot)
         )
     }
 }
 
-impl From<CoreMatch> for Match {
-    fn from(m: CoreMatch) -> Self {
+impl Match {
+    fn new(py: Python<'_>, m: &CoreMatch) -> Self {
         Match {
             hit_len: m.hit_len,
             resident_len: m.resident_len,
             node: m.node.map(NodeId::to_u64),
-            pages: m.pages.into_iter().map(|p| p.0).collect(),
+            pages: u32_bytes(py, PageId::raw(&m.pages)).unbind(),
             state_len: m.state.map(|s| s.len),
             state_slot: m.state.and_then(|s| s.slot).map(|s| s.0),
         }
@@ -743,6 +749,10 @@ pub struct Cache {
     inner: CoreCache,
     /// What `make_room` returns when the room is there already (a frozen value, shared).
     no_room_needed: Py<Room>,
+    /// Buffers reused by every match and allocation (empty between calls): their ids go
+    /// straight into the `bytes` returned, with no allocation per call.
+    match_pages: Vec<PageId>,
+    alloc_ids: Vec<u32>,
 }
 
 #[pymethods]
@@ -784,6 +794,8 @@ impl Cache {
         Ok(Cache {
             inner,
             no_room_needed,
+            match_pages: Vec::new(),
+            alloc_ids: Vec::new(),
         })
     }
 
@@ -812,13 +824,17 @@ impl Cache {
     fn match_(&mut self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Match> {
         let tokens = read_u32(py, tokens, "tokens")?;
         let inner = &mut self.inner;
-        let m = if tokens.len() >= DETACH_TOKENS {
+        let buf = std::mem::take(&mut self.match_pages);
+        let mut m = if tokens.len() >= DETACH_TOKENS {
             let tokens = tokens.as_slice().to_vec();
-            detached(py, || Ok(inner.match_prefix(&tokens)))?
+            detached(py, || Ok(inner.match_prefix_with(&tokens, buf)))?
         } else {
-            guarded(|| Ok(inner.match_prefix(tokens.as_slice())))?
+            guarded(|| Ok(inner.match_prefix_with(tokens.as_slice(), buf)))?
         };
-        Ok(m.into())
+        let out = Match::new(py, &m);
+        m.pages.clear();
+        self.match_pages = m.pages;
+        Ok(out)
     }
 
     fn unlock(&mut self, node: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -868,7 +884,11 @@ impl Cache {
             return Ok(self.no_room_needed.clone_ref(py));
         }
         let inner = &mut self.inner;
-        let room: Room = detached(py, || Ok(inner.make_room(pages, slots, park)))?.into();
+        let room: Room = if pages >= DETACH_PAGES {
+            detached(py, || Ok(inner.make_room(pages, slots, park)))?.into()
+        } else {
+            guarded(|| Ok(inner.make_room(pages, slots, park)))?.into()
+        };
         Py::new(py, room)
     }
 
@@ -884,9 +904,11 @@ impl Cache {
         n: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let n: usize = int_arg(n, "n")?;
-        let pages = guarded(|| self.inner.alloc_pages(n))?;
-        let ids: Vec<u32> = pages.into_iter().map(|p| p.0).collect();
-        Ok(u32_bytes(py, &ids))
+        let (inner, ids) = (&mut self.inner, &mut self.alloc_ids);
+        guarded(|| inner.alloc_pages_into(n, ids))?;
+        let out = u32_bytes(py, ids);
+        ids.clear();
+        Ok(out)
     }
 
     fn free_pages(&mut self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -915,7 +937,8 @@ impl Cache {
     /// Test-only: what `match` would return, changing nothing (no split, no refresh, no lock).
     fn _peek(&self, py: Python<'_>, tokens: &Bound<'_, PyAny>) -> PyResult<Match> {
         let tokens = read_u32(py, tokens, "tokens")?;
-        Ok(guarded(|| Ok(self.inner.peek(tokens.as_slice())))?.into())
+        let m = guarded(|| Ok(self.inner.peek(tokens.as_slice())))?;
+        Ok(Match::new(py, &m))
     }
 
     /// Test-only: record each evicted or woken entry's whole token path in its key.

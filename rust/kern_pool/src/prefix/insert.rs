@@ -254,17 +254,11 @@ impl Prefix {
             }
         }
         if result.is_ok() {
-            while g < pages.len() {
-                result = own.check(pages[g]);
-                if result.is_err() {
-                    break;
-                }
-                g += 1;
-            }
+            result = own.check_run(&pages[g..]);
         }
-        // Clear the marks: only the caller's own pages were marked.
-        for &p in own.marked.iter() {
-            own.seen.clear(p);
+        // Clear the marks: only the caller's own pages were marked, in the words listed.
+        for &w in own.marked.iter() {
+            own.seen.zero_word(w);
         }
         own.marked.clear();
         result
@@ -291,6 +285,10 @@ impl Prefix {
         let base = n.start as usize / pt;
         let mine = &pages[base..base + n.pages.len()];
         if n.tier == Tier::Resident {
+            if *mine == n.pages[..] {
+                // The caller passed the tree's own pages back (a hit): nothing to free.
+                return snapshot;
+            }
             dups.extend(
                 mine.iter()
                     .zip(&n.pages)
@@ -389,8 +387,39 @@ impl Own<'_> {
                 id: p,
             })
         } else {
-            self.marked.push(p);
+            self.marked.push(p / 64);
             Ok(())
         }
+    }
+
+    /// `check` of each id in turn, a word of ids at a time: fresh allocations come in runs, so
+    /// a run in one word is tested against the three books with three word reads. A word that
+    /// fails any test is checked id by id, which names the first bad one.
+    fn check_run(&mut self, ids: &[u32]) -> Result<()> {
+        let mut i = 0;
+        while i < ids.len() {
+            let w = ids[i] / 64;
+            let (mut mask, mut j, mut repeat) = (0u64, i, false);
+            while j < ids.len() && ids[j] / 64 == w {
+                let b = 1u64 << (ids[j] % 64);
+                repeat |= mask & b != 0;
+                mask |= b;
+                j += 1;
+            }
+            let ok = !repeat
+                && self.pool.allocated_word(Kind::Pages, w) & mask == mask
+                && self.owned.word(w) & mask == 0
+                && self.seen.word(w) & mask == 0;
+            if ok {
+                self.seen.or_word(w, mask);
+                self.marked.push(w);
+            } else {
+                for &p in &ids[i..j] {
+                    self.check(p)?;
+                }
+            }
+            i = j;
+        }
+        Ok(())
     }
 }

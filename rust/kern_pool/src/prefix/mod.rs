@@ -268,7 +268,7 @@ pub struct Prefix {
     clock: u64,
     owned_pages: Bits,
     owned_slots: Bits,
-    /// The caller's pages seen so far in one insert (the repeat check), and the list of them
+    /// The caller's pages seen so far in one insert (the repeat check), and the words of it
     /// to clear again; both empty between calls.
     scratch: Bits,
     marked: Vec<u32>,
@@ -828,13 +828,15 @@ impl Prefix {
         }
     }
 
-    /// The `Match` of a walk's path (after any split).
-    fn read(&self, path: &[u32], hit: u32) -> Match {
+    /// The `Match` of a walk's path (after any split), its pages in `pages` (cleared first).
+    fn read(&self, path: &[u32], hit: u32, mut pages: Vec<PageId>) -> Match {
+        pages.clear();
+        pages.reserve(self.pages_for(hit) as usize);
         let mut m = Match {
             hit_len: hit,
             resident_len: 0,
             node: None,
-            pages: Vec::with_capacity(self.pages_for(hit) as usize),
+            pages,
             state: None,
         };
         let mut resident = true;
@@ -863,6 +865,12 @@ impl Prefix {
     /// after the last page the hit read, unless it is parked, then refreshes and locks the
     /// hit's path only: release the lock with `unlock(m.node)`.
     pub fn match_prefix(&mut self, tokens: &[u32]) -> Match {
+        self.match_prefix_with(tokens, Vec::new())
+    }
+
+    /// `match_prefix` with the page list written into `pages` (cleared first): a caller that
+    /// matches often reuses one buffer.
+    pub fn match_prefix_with(&mut self, tokens: &[u32], pages: Vec<PageId>) -> Match {
         let w = self.walk(tokens);
         let mut path = w.path;
         if let Some(last) = path.last_mut() {
@@ -876,13 +884,13 @@ impl Prefix {
             self.lock_index(last);
             self.touch_up(last);
         }
-        self.read(&path, w.hit as u32)
+        self.read(&path, w.hit as u32, pages)
     }
 
     /// What `match_prefix` would return, changing nothing (no split, no refresh, no lock):
     /// `node` is then the deepest node the hit reaches, perhaps past the hit.
     pub fn peek(&self, tokens: &[u32]) -> Match {
         let w = self.walk(tokens);
-        self.read(&w.path, w.hit as u32)
+        self.read(&w.path, w.hit as u32, Vec::new())
     }
 }

@@ -570,3 +570,75 @@ fn a_snapshot_on_a_short_sibling_is_reached_past_a_longer_path() {
     assert_eq!(hit(&plain, &turn2), (13, 13));
     c.check_integrity().unwrap();
 }
+
+/// The repeat check reads a word of fresh page ids at a time: a bad id inside a run (repeated,
+/// not allocated, the tree's) is still named, it is the first bad one in the list's order, and
+/// the marks of a refused call are cleared for the next one.
+#[test]
+fn page_checks_over_runs_name_the_first_bad_id() {
+    let mut c = cache(512, 0, false);
+    put(&mut c, &[7, 7, 7, 7]);
+    let treepage = c.peek(&[7, 7, 7, 7]).pages[0].0;
+    let mine: Vec<u32> = c
+        .alloc_pages(150)
+        .unwrap()
+        .into_iter()
+        .map(|p| p.0)
+        .collect();
+    let tokens: Vec<u32> = (0..150 * PT).collect();
+    let before = c.stats();
+    let with = |at: usize, id: u32| {
+        let mut p = mine.clone();
+        p[at] = id;
+        p
+    };
+    let unallocated = c.pool().num_pages() - 1;
+    let cases = [
+        (
+            with(70, mine[65]),
+            KernError::Repeated {
+                what: "page",
+                id: mine[65],
+            },
+        ),
+        (
+            with(3, mine[140]),
+            KernError::Repeated {
+                what: "page",
+                id: mine[140],
+            },
+        ),
+        (
+            with(100, unallocated),
+            KernError::NotAllocated {
+                what: "page",
+                id: unallocated,
+            },
+        ),
+        (
+            with(129, treepage),
+            KernError::OwnedByCache {
+                what: "page",
+                id: treepage,
+            },
+        ),
+        (
+            {
+                let mut p = with(20, u32::MAX);
+                p[90] = p[91];
+                p
+            },
+            KernError::NotAllocated {
+                what: "page",
+                id: u32::MAX,
+            },
+        ),
+    ];
+    for (pages, err) in cases {
+        assert_eq!(c.insert(&tokens, &pages, None), Err(err));
+        assert_eq!(c.stats(), before);
+        c.check_integrity().unwrap();
+    }
+    assert_eq!(c.insert(&tokens, &mine, None).unwrap().held, 0);
+    c.check_integrity().unwrap();
+}
