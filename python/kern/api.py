@@ -10,8 +10,9 @@ Design notes
 * Errors take OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``. msgspec ends
   a validation message with `` - at `$.field` ``: that path is the ``param``; a missing field
   is named inside the message instead (``Object missing required field `model` ``).
-* Unknown request fields are ignored, as OpenAI does: clients send fields kern does not use
-  (``user``, ``presence_penalty`` at 0) and must not be refused for it.
+* Unknown request fields are accepted, as OpenAI accepts them, and named in a warning log
+  line (``App._decode``); every OpenAI field kern knows is implemented or refused by name
+  (:data:`UNSUPPORTED`).
 * JSON nested deeper than :data:`MAX_JSON_DEPTH` is refused before it is parsed: msgspec
   recurses per level and skipping ~1,000 nested arrays in an unknown field raised
   ``RecursionError``. The check counts brackets first (C speed); only a body with more
@@ -88,9 +89,6 @@ UNSUPPORTED: dict[str, Any] = {
     "best_of": lambda v: v == 1,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: isinstance(v, bool),
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
     "audio": _never,
@@ -161,9 +159,6 @@ class _Sampling(Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     # Refused unless left out or set to their default (UNSUPPORTED).
     best_of: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     # {"type": "text" | "json_object" | "json_schema", ...}: checked and compiled by the app
@@ -215,9 +210,18 @@ class CompletionRequest(_Sampling, kw_only=True):
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: Any = None
     suffix: Any = None
+    # Chat fields: refused here unless they ask for nothing.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def __post_init__(self) -> None:
         self._check()
+        if self.tools not in (None, []) or self.tool_choice not in (None, "none"):
+            field_ = "tools" if self.tools not in (None, []) else "tool_choice"
+            raise ValueError(
+                f"{field_} is not supported on completions (use chat completions) - at `$.{field_}`"
+            )
         if isinstance(self.prompt, str):
             if not self.prompt:
                 raise ValueError("prompt is empty - at `$.prompt`")
@@ -249,18 +253,77 @@ class TextPart(Struct, kw_only=True):
     text: str
 
 
+# OpenAI's rule for function names (letters, digits, underscores, dashes; at most 64), with
+# dots and colons, which MCP tool names use. Never a quote: names go into JSON and grammars.
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionDef(Struct, kw_only=True):
+    name: FunctionName
+    description: str | None = None
+    # A JSON schema of the arguments object; none: any object.
+    parameters: dict[str, Any] | None = None
+    # Accepted either way: kern always enforces the schema of a call it parses (see
+    # kern.structured), which is what strict asks for.
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(Struct, kw_only=True):
+    name: FunctionName
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class CalledFunction(Struct, kw_only=True):
+    name: FunctionName
+    arguments: str
+
+
+class MessageToolCall(Struct, kw_only=True):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=False):
     # The roles the chat templates kern serves render; others are refused here by name.
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    # An assistant turn's calls; a tool turn answers one of them by id.
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    # An assistant turn's reasoning, as kern returned it: accepted, not rendered (templates
+    # drop earlier turns' reasoning).
+    reasoning_content: str | None = None
 
-    def __post_init__(self) -> None:
-        for field in ("tool_calls", "tool_call_id"):
-            if getattr(self, field) is not None:
-                raise ValueError(f"{field} is not supported (tools are not) - at `$.{field}`")
+    def check(self, at: str) -> None:
+        """Rules across fields; ``at``: the message's path (``messages[3]``). Checked by the
+        request, which knows the index."""
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages - at `$.{at}.tool_calls`")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError(f"a tool message needs tool_call_id - at `$.{at}.tool_call_id`")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to tool messages - at `$.{at}.tool_call_id`")
+        for i, call in enumerate(self.tool_calls or ()):
+            try:
+                args = msgspec.json.decode(call.function.arguments)
+            except msgspec.DecodeError:
+                args = None
+            if not isinstance(args, dict):
+                raise ValueError(
+                    "arguments is not a JSON object"
+                    f" - at `$.{at}.tool_calls[{i}].function.arguments`"
+                )
 
     def text(self) -> str:
         if self.content is None:
@@ -286,9 +349,27 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     # Variables for the chat template (Qwen3's enable_thinking, ...).
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def __post_init__(self) -> None:
         self._check()
+        for i, m in enumerate(self.messages):
+            m.check(f"messages[{i}]")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have the same name - at `$.tools`")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ValueError(
+                f"tool_choice {self.tool_choice_name()!r} needs tools - at `$.tool_choice`"
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice names {choice.function.name!r}, which is not in tools"
+                " - at `$.tool_choice`"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true - at `$.top_logprobs`")
         if (
@@ -305,6 +386,16 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
                     f"chat_template_kwargs may not set {key!r} - at `$.chat_template_kwargs`"
                 )
 
+    def tool_choice_name(self) -> str:
+        """The tool choice: "none", "auto", "required" or the named function ("auto" when tools are
+        given without a choice, "none" without tools: OpenAI's defaults)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice
+
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
@@ -319,10 +410,16 @@ class TokenizeRequest(Struct, kw_only=True):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Rendered into a messages prompt, as a chat request with them would be.
+    tools: list[Tool] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages - at `$.prompt`")
+        if self.tools and self.messages is None:
+            raise ValueError("tools go with messages - at `$.tools`")
+        for i, m in enumerate(self.messages or ()):
+            m.check(f"messages[{i}]")
         for key in self.chat_template_kwargs or {}:
             if key in _RESERVED_TEMPLATE_KWARGS:
                 raise ValueError(
@@ -393,16 +490,37 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(Struct):
-    content: str
-    role: str = "assistant"
+class OutFunction(Struct):
+    name: str
+    arguments: str
+
+
+class OutToolCall(Struct):
+    id: str
+    function: OutFunction
+    type: str = "function"
+
+
+class AssistantMessage(Struct, omit_defaults=True):
+    # null when the answer is only tool calls, as OpenAI sends it.
+    content: str | None
+    role: str
+    tool_calls: list[OutToolCall] | None = None
+    reasoning_content: str | None = None
+
+
+class DeltaToolCall(Struct):
+    index: int
+    id: str
+    function: OutFunction
+    type: str = "function"
 
 
 class ChatChoice(Struct, omit_defaults=True):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: str | int | None
     token_ids: list[int] | None = None
 
@@ -419,13 +537,15 @@ class ChatCompletionResponse(Struct):
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct, omit_defaults=True):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: str | int | None
     token_ids: list[int] | None = None
 

@@ -52,11 +52,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kern import __version__, api, logs
 from kern.api import ApiError
 from kern.logs import RequestRecord, StatsLine, request_id
 from kern.sampler import SamplingParams
 from kern.scheduler import Event, LimitError, Request, Scheduler, start_scheduler
+from kern.splitter import Parts, Splitter, ToolCall, opens_reasoning
 
 __all__ = ["App", "Settings", "app"]
 
@@ -112,6 +115,25 @@ class _Choice:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     # Logprob entries already sent in a stream.
     sent_logprobs: int = 0
+    # Chat answers with a reasoning parser or tools: splits the text (kern.splitter).
+    split: Splitter | None = None
+    reasoning: list[str] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def parts(self, text: str, final: bool) -> Parts:
+        """``text`` split; kept for the whole answer."""
+        assert self.split is not None
+        parts = self.split.feed(text, final)
+        self.reasoning.append(parts.reasoning)
+        self.text.append(parts.content)
+        self.calls += parts.calls
+        return parts
+
+    def finish_reason(self) -> str | None:
+        """OpenAI's: "tool_calls" for an answer that ended on its own after calls."""
+        if self.calls and self.finish == "stop" and self.stop_reason is None:
+            return "tool_calls"
+        return self.finish
 
     def feed(self, token: int) -> tuple[str, bool]:
         """The text ``token`` releases, and whether a stop string ended the choice."""
@@ -172,12 +194,19 @@ class Settings:
     def from_env(cls) -> Settings:
         """``KERN_CONFIG`` + ``KERN_TARGET`` (a kern.toml target) or ``KERN_MODEL`` (a
         checkpoint folder), ``KERN_API_KEY``, ``KERN_MAX_BODY_BYTES``, ``KERN_LOG_LEVEL``,
-        ``KERN_LOG_PROMPTS``, ``KERN_STATS_INTERVAL``. Raises ``UsageError`` naming the
-        variable."""
+        ``KERN_LOG_PROMPTS``, ``KERN_STATS_INTERVAL``, ``KERN_REASONING_PARSER``. Raises
+        ``UsageError`` naming the variable."""
         from kern.errors import UsageError
         from kern.targets import check_target, resolve_target
 
         env = os.environ
+        parser = env.get("KERN_REASONING_PARSER") or None
+        from kern.toml_config import REASONING_PARSERS
+
+        if parser is not None and parser not in REASONING_PARSERS:
+            raise UsageError(
+                f"KERN_REASONING_PARSER={parser!r} is not one of {', '.join(REASONING_PARSERS)}"
+            )
         config, name, model = env.get("KERN_CONFIG"), env.get("KERN_TARGET"), env.get("KERN_MODEL")
         if config and not name:
             raise UsageError("KERN_CONFIG needs KERN_TARGET")
@@ -187,7 +216,7 @@ class Settings:
             config=Path(config) if config else None,
             target=name or None,
             model=Path(model) if model else None,
-            overrides={},
+            overrides={"reasoning_parser": parser},
         )
         check_target(target, serving=True)
         out = cls(
@@ -260,6 +289,8 @@ class App:
         self.vocab_size = 0
         self.max_model_len = 0
         self.gen_defaults: dict[str, float] = {}
+        # The target's reasoning parser is on (kern.splitter).
+        self.reasoning = False
         self.grammars: Any = None
         self.created = int(time.time())
         self.api_key: bytes | None = None
@@ -347,6 +378,7 @@ class App:
         self.vocab_size = engine.checkpoint.config.vocab_size
         self.max_model_len = engine.checkpoint.config.max_position_embeddings
         self.gen_defaults = sampling_defaults(target.checkpoint)
+        self.reasoning = target.reasoning_parser is not None
         from kern.structured import Grammars
 
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
@@ -517,7 +549,7 @@ class App:
         self._check_model(body.model)
         if body.messages is not None:
             text, contents = self._render_chat(
-                body.messages, body.add_generation_prompt, body.chat_template_kwargs
+                body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
             )
             ids = await self._encode(text, "messages", contents=contents)
         else:
@@ -604,18 +636,53 @@ class App:
         messages: list[api.ChatMessage],
         add_generation_prompt: bool | None,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[api.Tool] | None = None,
     ) -> tuple[str, list[str]]:
-        """The chat prompt's text and the messages' contents in it."""
+        """The chat prompt's text and the client's texts in it, in order (messages' contents
+        and their calls' arguments: kept plain text by ``_encode``)."""
         from kern.tokenizer import ChatTemplateError
 
-        dicts = [{"role": m.role, "content": m.text()} for m in messages]
+        dicts: list[dict[str, Any]] = []
+        contents: list[str] = []
+        for m in messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            contents.append(d["content"])
+            if m.name is not None:
+                d["name"] = m.name
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }
+                    for c in m.tool_calls
+                ]
+                contents += [c.function.arguments for c in m.tool_calls]
+            dicts.append(d)
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            if "tools" not in (self.tokenizer.chat_template or ""):
+                raise ApiError(
+                    400, "this model's chat template does not render tools", param="tools"
+                )
+            kwargs["tools"] = [msgspec.to_builtins(t) for t in tools]
+            for i, t in enumerate(kwargs["tools"]):
+                if self.tokenizer.spells_control(msgspec.json.encode(t).decode()):
+                    raise ApiError(
+                        400,
+                        f"tools[{i}] spells a control token of the tokenizer",
+                        param=f"tools[{i}]",
+                    )
         try:
             text = self.tokenizer.apply_chat_template(
-                dicts, add_generation_prompt is not False, **(template_kwargs or {})
+                dicts, add_generation_prompt is not False, **kwargs
             )
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
-        return text, [d["content"] for d in dicts]
+        return text, contents
 
     def _decode(self, raw: bytes, type_: type) -> Any:
         body = api.decode(raw, type_)
@@ -649,22 +716,48 @@ class App:
         body = self._decode(await self._body(scope, receive), api.ChatCompletionRequest)
         self._check_model(body.model)
         text, contents = self._render_chat(
-            body.messages, body.add_generation_prompt, body.chat_template_kwargs
+            body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
         )
         prompt_ids = await self._encode(text, "messages", contents=contents)
         limit = body.token_limit()
-        await self._generate(body, [prompt_ids], limit, body.num_logprobs(), True, receive, send)
+        opened = self.reasoning and opens_reasoning(text)
+        await self._generate(
+            body, [prompt_ids], limit, body.num_logprobs(), True, receive, send, opened
+        )
 
-    async def _grammar(self, body: Any) -> Any:
-        """The compiled grammar of the request's response_format, or None."""
+    async def _grammar(self, body: Any, opened: bool) -> Any:
+        """The compiled grammar of the request's response_format or tools, or None.
+        ``opened``: the prompt opened a reasoning block."""
         from kern.structured import StructuredOutputError
 
-        if body.response_format is None:
-            return None
+        think = ("must" if opened else "may") if self.reasoning else None
+        tools = isinstance(body, api.ChatCompletionRequest) and body.tool_choice_name() != "none"
+        fmt = body.response_format
+        if fmt is not None and fmt.get("type") != "text" and tools:
+            raise ApiError(
+                400,
+                "response_format cannot go with tools unless tool_choice is 'none'",
+                param="response_format",
+            )
         try:
-            compiled = await asyncio.to_thread(self.grammars.compile, body.response_format)
+            if tools:
+                specs = [
+                    {"name": t.function.name, "parameters": t.function.parameters}
+                    for t in body.tools
+                ]
+                return await asyncio.to_thread(
+                    self.grammars.compile_tools,
+                    specs,
+                    body.tool_choice_name(),
+                    body.parallel_tool_calls is not False,
+                    think,
+                )
+            if fmt is None:
+                return None
+            compiled = await asyncio.to_thread(self.grammars.compile, fmt, think)
         except StructuredOutputError as e:
-            raise ApiError(400, f"response_format: {e}", param="response_format") from None
+            param = "tools" if tools else "response_format"
+            raise ApiError(400, f"{param}: {e}", param=param) from None
         if compiled is not None and body.ignore_eos:
             raise ApiError(
                 400,
@@ -714,6 +807,7 @@ class App:
         chat: bool,
         receive: Receive,
         send: Send,
+        opened: bool = False,
     ) -> None:
         sched = self.scheduler
         assert sched is not None
@@ -732,7 +826,12 @@ class App:
         stop_ids = frozenset(body.stop_token_ids or ())
         self._check_ids(sorted(stop_ids), "stop_token_ids")
         stops = body.stop_strings()
-        grammar = await self._grammar(body)
+        grammar = await self._grammar(body, opened)
+        tools = chat and body.tool_choice_name() != "none"  # type: ignore[union-attr]
+        if tools and body.ignore_eos:
+            raise ApiError(
+                400, "ignore_eos cannot go with tools: a call ends the answer", param="ignore_eos"
+            )
         queue: asyncio.Queue[Any] = asyncio.Queue()
         reqs = []
         choices = []
@@ -765,6 +864,11 @@ class App:
                         stops,
                         max((len(s) for s in stops), default=1) - 1,
                         include_stop=bool(body.include_stop_str_in_output),
+                        split=(
+                            Splitter(reasoning=self.reasoning, tools=tools, prompt_opened=opened)
+                            if chat and (self.reasoning or tools)
+                            else None
+                        ),
                     )
                 )
         run = _Run(self, body, chat, prompts, n, reqs, choices, queue)
@@ -894,8 +998,11 @@ class _Run:
 
     async def collect(self, send: Send) -> None:
         async for batch in self.events():
-            for ch, text, _ in batch:
-                ch.text.append(text)
+            for ch, text, finish in batch:
+                if ch.split is not None:
+                    ch.parts(text, finish is not None)
+                else:
+                    ch.text.append(text)
         if self.shut:
             raise ApiError(503, "the server is shutting down", type="server_error")
         lp = self._lp()
@@ -903,9 +1010,9 @@ class _Run:
             chat_choices = [
                 api.ChatChoice(
                     c.index,
-                    api.AssistantMessage("".join(c.text)),
+                    _message(c),
                     self._chat_logprobs(c.logprobs) if lp else None,
-                    c.finish,  # type: ignore[arg-type]
+                    c.finish_reason(),  # type: ignore[arg-type]
                     c.stop_reason,
                     self._token_ids(c),
                 )
@@ -959,11 +1066,15 @@ class _Run:
                 stop_reason = ch.stop_reason if finish else None
                 if self.chat:
                     entries = self._chat_logprobs(ch.logprobs[start:end]) if lp else None
+                    if ch.split is not None:
+                        delta = _delta(ch, ch.parts(text, finish is not None))
+                    else:
+                        delta = api.Delta(content=text) if text else api.Delta()
                     cc = api.ChatChunkChoice(
                         ch.index,
-                        api.Delta(content=text) if text else api.Delta(),
+                        delta,
                         entries,
-                        finish,  # type: ignore[arg-type]
+                        ch.finish_reason() if finish else None,  # type: ignore[arg-type]
                         stop_reason,
                         self._token_ids(ch) if finish else None,
                     )
@@ -1039,6 +1150,34 @@ class _Run:
                 tops.append(api.TopLogprob(t, v, list(b)))
             content.append(api.TokenLogprob(text, lp, list(raw), tops))
         return api.ChatLogprobs(content)
+
+
+def _message(ch: _Choice) -> api.AssistantMessage:
+    content = "".join(ch.text)
+    if ch.split is None:
+        return api.AssistantMessage(content, "assistant")
+    calls = [api.OutToolCall(c.id, api.OutFunction(c.name, c.arguments)) for c in ch.calls]
+    reasoning = "".join(ch.reasoning)
+    return api.AssistantMessage(
+        None if calls and not content else content,
+        "assistant",
+        calls or None,
+        reasoning or None,
+    )
+
+
+def _delta(ch: _Choice, parts: Parts) -> api.Delta:
+    """A stream chunk's delta: each tool call whole, indexed in the choice's order."""
+    first = len(ch.calls) - len(parts.calls)
+    calls = [
+        api.DeltaToolCall(first + k, c.id, api.OutFunction(c.name, c.arguments))
+        for k, c in enumerate(parts.calls)
+    ]
+    return api.Delta(
+        content=parts.content or None,
+        reasoning_content=parts.reasoning or None,
+        tool_calls=calls or None,
+    )
 
 
 def _dispatch(events: list[tuple[Request, Event]]) -> None:

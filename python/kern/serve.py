@@ -45,7 +45,7 @@ BACKLOG = 4096
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from kern.cli import _positive_int
     from kern.logs import LEVELS
-    from kern.toml_config import DEFAULT_THREADS
+    from kern.toml_config import DEFAULT_THREADS, REASONING_PARSERS
 
     p = sub.add_parser(
         "serve",
@@ -84,6 +84,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     keys.add_argument("--page-tokens", type=_positive_int, metavar="N", help="default 16")
     keys.add_argument(
         "--threads", type=_positive_int, metavar="N", help=f"default {DEFAULT_THREADS}"
+    )
+    keys.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split chat answers' <think>...</think> into reasoning_content (default: off)",
     )
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

@@ -24,6 +24,17 @@ Design notes
   scheduler feeds it each token produced. The grammar ends with an end-of-sequence token, so
   a finished JSON ends the answer with ``stop``.
 * The mask touches its own row only: a constrained answer is the same alone and in a batch.
+* Tool calls (:meth:`Grammars.compile_tools`) are an xgrammar structural tag in Qwen3's
+  convention: ``required`` is one or more ``<tool_call>`` blocks (one when
+  parallel_tool_calls is false), a named function exactly one block of it, ``auto`` free text
+  in which a block, once opened, must be a call of one of the tools. The arguments follow each
+  tool's parameters schema, with at most one whitespace character between JSON tokens (free
+  whitespace again). Newlines are part of the convention, so these grammars do not ban
+  control-character tokens: xgrammar's JSON string rule already excludes raw control
+  characters here.
+* With a reasoning parser on, a constrained answer may start with a ``<think>...</think>``
+  block followed by a blank line (and must, when the prompt opened one): the constraint holds
+  for the answer, not the reasoning, as in vLLM.
 """
 
 from __future__ import annotations
@@ -39,6 +50,13 @@ __all__ = ["Grammars", "Matcher", "StructuredOutputError"]
 
 # Compiled grammars kept (keyed by the schema's canonical JSON).
 CACHE_SIZE = 64
+# xgrammar 0.2.8 writes the characters of a length-bounded JSON string (maxLength) as
+# [^"\\\r\n]: raw control characters pass, which JSON forbids (seen: a tool call's
+# arguments with \x0e in a string). Its unbounded strings exclude them; so do these.
+_LOOSE_CHARS = r"[^\"\\\r\n]"
+_STRICT_CHARS = r"[^\0-\x1f\"\\]"
+# Whitespace characters allowed between JSON tokens in a structural tag's JSON.
+TAG_WHITESPACE = 1
 # UTF-8 lead bytes whose next byte is narrower than 80..BF: no overlong forms, no
 # surrogates, nothing past U+10FFFF.
 _SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
@@ -53,7 +71,8 @@ class Matcher:
 
     def __init__(self, xgr: Any, compiled: Any, grammars: Grammars) -> None:
         self._xgr = xgr
-        self._matcher = xgr.GrammarMatcher(compiled)
+        grammar, self._ban_controls = compiled
+        self._matcher = xgr.GrammarMatcher(grammar)
         self._bitmask = xgr.allocate_token_bitmask(1, grammars.vocab_size)
         self._g = grammars
         self._lead = -1  # a lead byte whose next byte UTF-8 restricts, just emitted
@@ -62,7 +81,8 @@ class Matcher:
         """Set the logits [1, vocab] of tokens the grammar does not allow next to -inf."""
         self._matcher.fill_next_token_bitmask(self._bitmask)
         self._xgr.apply_token_bitmask_inplace(logits, self._bitmask)
-        logits[0, self._g.banned] = -torch.inf
+        if self._ban_controls:
+            logits[0, self._g.banned] = -torch.inf
         if self._lead >= 0:
             lo, hi = _SECOND_BYTE[self._lead]
             first = self._g.first_byte
@@ -127,10 +147,11 @@ class Grammars:
             self._xgr = xgrammar
         return self._xgr
 
-    def compile(self, response_format: dict[str, Any]) -> Any:
+    def compile(self, response_format: dict[str, Any], think: str | None = None) -> Any:
         """A compiled grammar for ``response_format`` (``{"type": "json_object"}`` or
         ``{"type": "json_schema", "json_schema": {"schema": {...}, ...}}``); None for
-        ``{"type": "text"}``. Raises :class:`StructuredOutputError`."""
+        ``{"type": "text"}``. ``think``: None, or "may"/"must" start with a reasoning block.
+        Raises :class:`StructuredOutputError`."""
         kind = response_format.get("type")
         if kind == "text":
             return None
@@ -145,15 +166,77 @@ class Grammars:
             raise StructuredOutputError(
                 f"type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
             )
+        if think is not None:
+            return self._tag(_sequence(think, _json(schema)), "the JSON schema")
         key = json.dumps(schema, sort_keys=True)
+
+        def build() -> Any:
+            grammar = self._xgr.Grammar.from_json_schema(key, any_whitespace=False)
+            return self._compiler.compile_grammar(self._strict(grammar))
+
+        return self._cached(key, build, "the JSON schema", ban_controls=True)
+
+    def compile_tools(
+        self, tools: list[dict[str, Any]], choice: str, parallel: bool, think: str | None
+    ) -> Any:
+        """The grammar of an answer to a request with ``tools`` (``{"name", "parameters"}``
+        each) and tool_choice ``choice``: "auto", "required" or a tool's name. Raises
+        :class:`StructuredOutputError`."""
+        tags = [
+            {
+                "type": "tag",
+                "begin": '<tool_call>\n{"name": ' + json.dumps(t["name"]) + ', "arguments": ',
+                "content": _json(t.get("parameters") or {"type": "object"}),
+                "end": "}\n</tool_call>",
+            }
+            for t in tools
+            if choice in ("auto", "required") or t["name"] == choice
+        ]
+        if choice == "auto":
+            calls: dict[str, Any] = {
+                "type": "triggered_tags",
+                "triggers": ["<tool_call>"],
+                "tags": tags,
+                "stop_after_first": not parallel,
+            }
+        elif choice == "required":
+            calls = {
+                "type": "tags_with_separator",
+                "tags": tags,
+                "separator": "\n",
+                "at_least_one": True,
+                "stop_after_first": not parallel,
+            }
+        else:
+            calls = tags[0]
+        return self._tag(_sequence(think, calls), "the tools' parameters")
+
+    def _tag(self, fmt: dict[str, Any], what: str) -> Any:
+        key = json.dumps({"type": "structural_tag", "format": fmt}, sort_keys=True)
+
+        def build() -> Any:
+            grammar = self._xgr.Grammar.from_structural_tag(key)
+            return self._compiler.compile_grammar(self._strict(grammar))
+
+        return self._cached(key, build, what, ban_controls=False)
+
+    def _strict(self, grammar: Any) -> Any:
+        """``grammar`` with xgrammar's loose JSON string characters made strict (see the
+        design notes)."""
+        text = str(grammar)
+        if _LOOSE_CHARS not in text:
+            return grammar
+        return self._xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _STRICT_CHARS))
+
+    def _cached(self, key: str, build: Any, what: str, *, ban_controls: bool) -> Any:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
         self._load()
         try:
-            compiled = self._compiler.compile_json_schema(key, any_whitespace=False)
+            compiled = (build(), ban_controls)
         except Exception as e:  # xgrammar raises plain RuntimeErrors for bad schemas
-            raise StructuredOutputError(f"the JSON schema does not compile: {e}") from None
+            raise StructuredOutputError(f"{what} does not compile: {e}") from None
         self._cache[key] = compiled
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -161,3 +244,24 @@ class Grammars:
 
     def matcher(self, compiled: Any) -> Matcher:
         return Matcher(self._xgr, compiled, self)
+
+
+def _json(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": TAG_WHITESPACE}
+
+
+def _sequence(think: str | None, answer: dict[str, Any]) -> dict[str, Any]:
+    """``answer``, after a reasoning block that ``think`` says may ("may") or must ("must",
+    the prompt opened it) come first."""
+    if think is None:
+        return answer
+    if think == "must":
+        block: dict[str, Any] = {"type": "tag", "begin": "", "content": {"type": "any_text"},
+                                 "end": "</think>\n\n"}  # fmt: skip
+    else:
+        block = {
+            "type": "optional",
+            "content": {"type": "tag", "begin": "<think>", "content": {"type": "any_text"},
+                        "end": "</think>\n\n"},
+        }  # fmt: skip
+    return {"type": "sequence", "elements": [block, answer]}

@@ -38,6 +38,7 @@ FLAGS = {
     "host_bytes": "--host-bytes",
     "page_tokens": "--page-tokens",
     "threads": "--threads",
+    "reasoning_parser": "--reasoning-parser",
 }
 
 

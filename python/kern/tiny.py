@@ -96,22 +96,69 @@ _SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# A Qwen3-style template written for kern: tools go into the system turn as JSON lines, the
+# model calls them as <tool_call>{json}</tool_call>, results come back as <tool_response> in a
+# user turn, and enable_thinking=false writes an empty <think> block.
 CHAT_TEMPLATE = """\
-{%- for message in messages %}
-    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
-        {{- raise_exception('Unknown role: ' ~ message['role']) }}
-    {%- endif %}
+{%- macro text_of(message) %}
     {%- if message['content'] is string %}
-        {%- set content = message['content'] %}
+        {{- message['content'] }}
     {%- elif message['content'] is not defined or message['content'] is none %}
-        {%- set content = '' %}
     {%- else %}
-        {%- for part in message['content'] if part['type'] != 'text' %}
-            {{- raise_exception('Only text content parts are supported') }}
+        {%- for part in message['content'] %}
+            {%- if part['type'] != 'text' %}
+                {{- raise_exception('Only text content parts are supported') }}
+            {%- endif %}
+            {{- part['text'] }}
         {%- endfor %}
-        {%- set content = message['content'] | map(attribute='text') | join('') %}
     {%- endif %}
-    {{- '<|im_start|>' ~ message['role'] ~ '\\n' ~ content ~ '<|im_end|>\\n' }}
+{%- endmacro %}
+{%- set first_system = messages and messages[0]['role'] == 'system' %}
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if first_system %}
+        {{- text_of(messages[0]) ~ '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n\\nFunctions you may call, one JSON signature per line:\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' ~ (tool | tojson) }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nTo call one, answer with its name and arguments as JSON:\\n' }}
+    {{- '<tool_call>\\n{"name": <name>, "arguments": <arguments>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set role = message['role'] %}
+    {%- if role not in ['system', 'user', 'assistant', 'tool'] %}
+        {{- raise_exception('Unknown role: ' ~ role) }}
+    {%- endif %}
+    {%- if role == 'system' and loop.first and tools %}
+    {%- elif role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' ~ text_of(message) ~ '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' ~ role ~ '\\n' ~ text_of(message) }}
+        {%- if role == 'assistant' and message['tool_calls'] %}
+            {%- for call in message['tool_calls'] %}
+                {%- set call = call['function'] if call['function'] is defined else call %}
+                {%- if not loop.first or text_of(message) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": ' ~ (call['name'] | tojson) ~ ', "arguments": ' }}
+                {%- if call['arguments'] is string %}
+                    {{- call['arguments'] }}
+                {%- else %}
+                    {{- call['arguments'] | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}

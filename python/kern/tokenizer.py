@@ -207,6 +207,10 @@ class Tokenizer:
             return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def spells_control(self, text: str) -> bool:
+        """Whether ``text`` holds an added token's text (``<|im_end|>``, ...)."""
+        return self._added is not None and self._added.search(text) is not None
+
     def encode_chat(self, rendered: str, contents: Sequence[str]) -> list[int]:
         """Token ids of a rendered chat prompt whose messages held ``contents``: the template's
         markup becomes control tokens, added-token text inside a content stays plain text.

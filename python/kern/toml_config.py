@@ -12,6 +12,7 @@ rows = [1, 4]                      # decode row shapes; kern run uses the widest
 draft = "ngram"                    # or a draft checkpoint folder
 ranks = 1
 threads = 2                        # torch intra-op threads (CPU results depend on it)
+reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_content
 ```
 
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
@@ -69,7 +70,10 @@ _TARGET_KEYS = (
     "draft",
     "ranks",
     "threads",
+    "reasoning_parser",
 )
+# reasoning_parser values (kern.splitter.REASONING_PARSERS; kept here so parsing imports nothing).
+REASONING_PARSERS = ("qwen3",)
 
 
 class TomlConfigError(ValueError):
@@ -95,6 +99,8 @@ class Target:
     draft: str | None = None
     ranks: int = 1
     threads: int = DEFAULT_THREADS
+    # Split <think>...</think> into reasoning_content when serving chat (kern.splitter); None: off.
+    reasoning_parser: str | None = None
     # Where each key was set, for errors: "kern.toml: targets.x.pool_bytes", "--pool-bytes".
     origin: dict[str, str] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -169,6 +175,11 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
     if draft is not None and draft != "ngram":
         draft = str((path.parent / draft).resolve())
     pool = table.get("pool_bytes")
+    parser = table.get("reasoning_parser")
+    if parser is not None and parser not in REASONING_PARSERS:
+        raise TomlConfigError(
+            f"{where}.reasoning_parser: {parser!r} is not one of {', '.join(REASONING_PARSERS)}"
+        )
     return Target(
         name=name,
         # Relative paths are relative to the file, so a config works from any directory.
@@ -182,6 +193,7 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         draft=draft,
         ranks=_pos_int(table, "ranks", where, 1),
         threads=_pos_int(table, "threads", where, DEFAULT_THREADS),
+        reasoning_parser=parser,
         origin={key: f"{where}.{key}" for key in _TARGET_KEYS},
     )
 
