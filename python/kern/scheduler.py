@@ -73,7 +73,7 @@ from kern.batch import SeqChunk
 from kern.metrics import Metrics
 from kern.pool import Cache, Evicted, Match, PoolFull
 from kern.runner import Runner
-from kern.sampler import Context, LogprobEntry, SamplingParams, logprobs, sample
+from kern.sampler import Context, LogprobEntry, SamplingParams, TokenLog, logprobs, sample
 
 __all__ = ["Event", "LimitError", "Request", "Scheduler", "start_scheduler"]
 
@@ -107,6 +107,8 @@ class Request:
     # Structured output: a matcher the sampler masks with and this thread feeds each token
     # (kern.structured.Matcher; opaque here).
     grammar: Any = None
+    # Its tokens as a tensor for the penalties (kern.sampler.TokenLog), made when first needed.
+    token_log: TokenLog | None = None
     # False for the 2nd..nth sequence of a request of n choices: its prompt counts once.
     counts_prompt: bool = True
     # Opaque to the scheduler: where the app routes this request's events.
@@ -680,7 +682,9 @@ class Scheduler:
             banned = req.stop_ids | self.eos
         if not banned and not req.params.processes and req.grammar is None:
             return None
-        return Context(req.tokens, len(req.prompt_ids), banned, req.grammar)
+        if req.token_log is None and req.params.processes:
+            req.token_log = TokenLog()
+        return Context(req.tokens, len(req.prompt_ids), banned, req.grammar, req.token_log)
 
     def _grow(self, req: Request, k: int) -> bool:
         """Pages for ``req``'s next ``k`` tokens, preempting the youngest running requests

@@ -73,21 +73,27 @@ class Matcher:
         self._xgr = xgr
         grammar, self._ban_controls = compiled
         self._matcher = xgr.GrammarMatcher(grammar)
-        self._bitmask = xgr.allocate_token_bitmask(1, grammars.vocab_size)
         self._g = grammars
         self._lead = -1  # a lead byte whose next byte UTF-8 restricts, just emitted
 
     def apply(self, logits: Tensor) -> None:
         """Set the logits [1, vocab] of tokens the grammar does not allow next to -inf."""
-        self._matcher.fill_next_token_bitmask(self._bitmask)
-        self._xgr.apply_token_bitmask_inplace(logits, self._bitmask)
+        apply_all(logits, [(0, self)])
+
+    @property
+    def done(self) -> bool:
+        """The grammar has ended (its end-of-sequence token was accepted)."""
+        return bool(self._matcher.is_terminated())
+
+    def _extra(self, row: Tensor) -> None:
+        """What this matcher bans beyond xgrammar's mask, in ``row`` [vocab]."""
         if self._ban_controls:
-            logits[0, self._g.banned] = -torch.inf
+            row[self._g.banned] = -torch.inf
         if self._lead >= 0:
             lo, hi = _SECOND_BYTE[self._lead]
             first = self._g.first_byte
             outside = (first < lo) | (first > hi)
-            logits[0, : outside.shape[0]][outside] = -torch.inf
+            row[: outside.shape[0]][outside] = -torch.inf
 
     def accept(self, token: int) -> bool:
         """Advance by the token sampled; False if the grammar refuses it."""
@@ -96,6 +102,21 @@ class Matcher:
         raw = self._g.token_bytes[token] if token < len(self._g.token_bytes) else b""
         self._lead = raw[-1] if raw and raw[-1] in _SECOND_BYTE else -1
         return True
+
+
+def apply_all(logits: Tensor, rows: list[tuple[int, Matcher]]) -> None:
+    """Mask rows of ``logits`` [N, vocab], each ``(row, matcher)`` by its matcher: one bitmask
+    filled row by row and applied in one call. Each
+    row's mask is its matcher's alone, so a row's result does not depend on the others."""
+    if not rows:
+        return
+    first = rows[0][1]
+    bitmask = first._xgr.allocate_token_bitmask(logits.shape[0], first._g.vocab_size)
+    for k, m in rows:
+        m._matcher.fill_next_token_bitmask(bitmask, k)
+    first._xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[k for k, _ in rows])
+    for k, m in rows:
+        m._extra(logits[k])
 
 
 class Grammars:
