@@ -160,3 +160,30 @@ def test_logits_processing_matches_its_definitions_and_the_batch():
     assert picked[2] != 0 and picked[3] == 0
     with pytest.raises(ValueError, match="context"):
         sample(logits, params, [0] * 4)
+
+
+def test_a_token_log_follows_its_list():
+    from kern.sampler import Context, TokenLog, _process
+
+    p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
+    x = logits(1, vocab=40, seed=3)
+    log = TokenLog()
+    tokens = [1, 2, 3]
+
+    def both() -> None:
+        plain = _process(x, [0], [p], [Context(tokens, 2)])
+        logged = _process(x, [0], [p], [Context(tokens, 2, log=log)])
+        assert torch.equal(plain, logged), tokens
+
+    both()
+    for t in (5, 5, 39, 0):  # appended one at a time
+        tokens.append(t)
+        both()
+    tokens += [7] * 100  # many at once, past the buffer
+    both()
+    del tokens[-50:]  # shorter: starts over
+    both()
+    tokens[-1] = 11  # the last token changed: starts over
+    both()
+    tokens = [4, 4]  # a new list
+    both()

@@ -172,6 +172,8 @@ def test_auto_and_none(server, client):
         ({"tools": [{"type": "function", "function": {"name": 'a"b'}}]},
          "tools[0].function.name"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "f",
+          "parameters": {"type": "string"}}}]}, "tools[0].function.parameters"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": TOOLS, "ignore_eos": True}, "ignore_eos"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {

@@ -258,7 +258,7 @@ class TextPart(Struct, kw_only=True):
 FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 
 
-class FunctionDef(Struct, kw_only=True):
+class FunctionDef(Struct, kw_only=True, omit_defaults=True):
     name: FunctionName
     description: str | None = None
     # A JSON schema of the arguments object; none: any object.
@@ -358,6 +358,13 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         for i, m in enumerate(self.messages):
             m.check(f"messages[{i}]")
         names = [t.function.name for t in self.tools or ()]
+        for i, tool in enumerate(self.tools or ()):
+            schema = tool.function.parameters
+            if schema is not None and schema.get("type", "object") != "object":
+                raise ValueError(
+                    "parameters must describe an object (a call's arguments are one)"
+                    f" - at `$.tools[{i}].function.parameters`"
+                )
         if len(set(names)) != len(names):
             raise ValueError("two tools have the same name - at `$.tools`")
         choice = self.tool_choice
