@@ -62,6 +62,11 @@ TAG_WHITESPACE = 1
 _SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 
+# Threads xgrammar fills a step's masks with: one took 0.72 ms per batch-32 step, two 2.7 ms, on
+# the 2-core machine this was measured on (32 JSON-schema rows of the tiny vocabulary).
+BATCH_THREADS = 1
+
+
 class StructuredOutputError(ValueError):
     """A response_format kern cannot enforce: a bad schema, or xgrammar missing."""
 
@@ -86,9 +91,8 @@ class Matcher:
         return bool(self._matcher.is_terminated())
 
     def _extra(self, row: Tensor) -> None:
-        """What this matcher bans beyond xgrammar's mask, in ``row`` [vocab]."""
-        if self._ban_controls:
-            row[self._g.banned] = -torch.inf
+        """What this matcher bans beyond xgrammar's mask and the control tokens, in ``row``
+        [vocab]."""
         if self._lead >= 0:
             lo, hi = _SECOND_BYTE[self._lead]
             first = self._g.first_byte
@@ -112,11 +116,17 @@ def apply_all(logits: Tensor, rows: list[tuple[int, Matcher]]) -> None:
         return
     first = rows[0][1]
     bitmask = first._xgr.allocate_token_bitmask(logits.shape[0], first._g.vocab_size)
-    for k, m in rows:
-        m._matcher.fill_next_token_bitmask(bitmask, k)
+    first._g.batch.batch_fill_next_token_bitmask(
+        [m._matcher for _, m in rows], bitmask, [k for k, _ in rows]
+    )
     first._xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[k for k, _ in rows])
+    banning = [k for k, m in rows if m._ban_controls]
+    if banning:
+        banned = first._g.banned
+        logits[torch.tensor(banning).unsqueeze(1), banned.unsqueeze(0)] = -torch.inf
     for k, m in rows:
-        m._extra(logits[k])
+        if m._lead >= 0:
+            m._extra(logits[k])
 
 
 class Grammars:
@@ -131,6 +141,7 @@ class Grammars:
         self.token_bytes: list[bytes] = []
         self.first_byte = torch.empty(0, dtype=torch.int16)
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.batch: Any = None
 
     def _load(self) -> Any:
         if self._xgr is None:
@@ -152,6 +163,9 @@ class Grammars:
                 stop_token_ids=list(self.tokenizer.eos_token_ids),
             )
             self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+            # Fills every row's mask in one call (C++ threads; the masks do not depend on
+            # how many).
+            self.batch = xgrammar.BatchGrammarMatcher(BATCH_THREADS)
             eos = set(self.tokenizer.eos_token_ids)
             self.token_bytes = [self.tokenizer.token_bytes(i) for i in range(len(encoded))]
             banned = [
