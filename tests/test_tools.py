@@ -176,6 +176,8 @@ def test_auto_and_none(server, client):
           "parameters": {"type": "string"}}}]}, "tools[0].function.parameters"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": TOOLS, "ignore_eos": True}, "ignore_eos"),
+        ({"tools": TOOLS, "min_tokens": 3}, "min_tokens"),
+        ({"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
           "tool_choice": "required"}, "tools"),

@@ -745,25 +745,32 @@ class App:
                     {"name": t.function.name, "parameters": t.function.parameters}
                     for t in body.tools
                 ]
-                return await asyncio.to_thread(
+                compiled = await asyncio.to_thread(
                     self.grammars.compile_tools,
                     specs,
                     body.tool_choice_name(),
                     body.parallel_tool_calls is not False,
                     think,
                 )
-            if fmt is None:
+            elif fmt is None:
                 return None
-            compiled = await asyncio.to_thread(self.grammars.compile, fmt, think)
+            else:
+                compiled = await asyncio.to_thread(self.grammars.compile, fmt, think)
         except StructuredOutputError as e:
             param = "tools" if tools else "response_format"
             raise ApiError(400, f"{param}: {e}", param=param) from None
+        what = "tools" if tools else "a JSON response_format"
         if compiled is not None and body.ignore_eos:
             raise ApiError(
                 400,
-                "ignore_eos cannot go with a JSON response_format: the JSON ends with the end "
-                "of sequence",
+                f"ignore_eos cannot go with {what}: the grammar ends the answer",
                 param="ignore_eos",
+            )
+        if compiled is not None and body.min_tokens:
+            raise ApiError(
+                400,
+                f"min_tokens cannot go with {what}: the grammar decides where the answer ends",
+                param="min_tokens",
             )
         return compiled
 
@@ -828,10 +835,6 @@ class App:
         stops = body.stop_strings()
         grammar = await self._grammar(body, opened)
         tools = chat and body.tool_choice_name() != "none"  # type: ignore[union-attr]
-        if tools and body.ignore_eos:
-            raise ApiError(
-                400, "ignore_eos cannot go with tools: a call ends the answer", param="ignore_eos"
-            )
         queue: asyncio.Queue[Any] = asyncio.Queue()
         reqs = []
         choices = []
