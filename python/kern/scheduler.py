@@ -669,6 +669,13 @@ class Scheduler:
                 events.append((req, (tok, lp, None)))
                 if reason is not None:
                     break  # tokens accepted past a stop are never sent
+            if reason is not None and sent < accepted:
+                log.debug(
+                    "%d accepted tokens after a %r finish not sent; state rewound to the last "
+                    "token sent",
+                    accepted - sent,
+                    reason,
+                )
             if n > 1:
                 # The KV and state now hold the last token and the drafts that were sent; the
                 # rest (rejected, or accepted past a stop) is never read: the next chunk
