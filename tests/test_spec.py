@@ -7,16 +7,23 @@ rows-1 tokens, and the accept rule is standard speculative sampling for a point-
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import logging
 import random
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from scheduler_harness import Harness, drop_cache, load
 
+from kern.checkpoint import load_checkpoint
 from kern.generate import generate
 from kern.ngram import NgramDrafter
 from kern.sampler import SamplingParams, sample
+from kern.tiny import default_model_path
 
 PT = 4
 FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe")
@@ -285,3 +292,86 @@ def test_accepting_the_target_draw_is_speculative_sampling():
     # Acceptance: within 4 standard deviations of p(d).
     sd = (p[draft] * (1 - p[draft]) / n) ** 0.5
     assert abs(accepted / n - float(p[draft])) < 4 * sd
+
+
+# --- served -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from test_server import Server
+
+    s = Server(
+        tmp_path_factory.mktemp("spec"),
+        "spec",
+        pool_bytes="16MiB",
+        model=default_model_path(),
+        extra=("--rows", "5"),
+    )
+    yield s
+    s.close()
+
+
+def test_served_at_rows_5_is_kern_run_at_rows_5_and_1(served):
+    """Over HTTP, one at a time and eight at once: the served ids are kern run's at rows 5
+    and at rows 1; the counters moved; nothing is held afterwards."""
+    ckpt = load_checkpoint(default_model_path())
+    tok = ckpt.tokenizer
+    prompts = [tok.encode(f"Request {i}: the weather" + " is sunny" * i) for i in range(8)]
+    eos = set(tok.eos_token_ids)
+
+    def kern_run(p: list[int], rows: int) -> list[int]:
+        ids = generate(ckpt, p, 40, rows=rows, page_tokens=16, threads=2).ids
+        cut = next((n + 1 for n, t in enumerate(ids) if t in eos), len(ids))
+        return ids[:cut]
+
+    assert "rows 5 (the last token and 4 n-gram drafts)" in served.output()
+    first = served.complete(prompts[0], 40)["choices"][0]["token_ids"]
+    assert first == kern_run(prompts[0], 5) == kern_run(prompts[0], 1)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: served.complete(p, 40), prompts))
+    for p, out in zip(prompts, outs, strict=True):
+        got = out["choices"][0]["token_ids"]
+        assert got == kern_run(p, 5) == kern_run(p, 1)
+    m = served.metrics()
+    drafted = m["kern_spec_decode_num_draft_tokens_total"]
+    accepted = m["kern_spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= drafted and m["kern_spec_decode_num_drafts_total"] > 0
+    print(f"served at rows 5: {accepted:.0f} of {drafted:.0f} drafts accepted")
+    served.assert_no_leak()
+
+
+def test_kern_bench_reports_the_acceptance_rate(served):
+    out = subprocess.run(
+        [sys.executable, "-m", "kern.cli", "bench", "--url", served.url, "--api-key", "test-key"]
+        + ["--concurrency", "2", "--requests", "2", "--prompt-tokens", "16", "--json"]
+        + ["--shared-prefix", "0", "--max-tokens", "32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    table, js = out.stdout.strip().rsplit("\n", 1)
+    assert "| cached | accept |" in table and "Draft acceptance rate:" in table
+    (row,) = json.loads(js)
+    assert row["draft_tokens"] > 0 and 0 <= row["acceptance"] <= 1
+    assert row["acceptance"] == row["accepted_tokens"] / row["draft_tokens"]
+
+
+def test_rows_under_hypercorn_come_from_kern_rows(tmp_path, monkeypatch):
+    from kern.app import Settings
+    from kern.errors import UsageError
+
+    toml = tmp_path / "kern.toml"
+    toml.write_text(f'[targets.t]\ncheckpoint = "{default_model_path()}"\nrows = [1, 4]\n')
+    monkeypatch.setenv("KERN_CONFIG", str(toml))
+    monkeypatch.setenv("KERN_TARGET", "t")
+    assert Settings.from_env().target.decode_rows == 4  # the widest by default
+    for rows, want in (("1", 1), ("4", 4)):
+        monkeypatch.setenv("KERN_ROWS", rows)
+        assert Settings.from_env().target.decode_rows == want
+    for rows, message in (("x", "KERN_ROWS='x' is not a positive integer"),
+                          ("3", "KERN_ROWS 3: target 't' declares rows [1, 4]")):  # fmt: skip
+        monkeypatch.setenv("KERN_ROWS", rows)
+        with pytest.raises(UsageError, match=re.escape(message)):
+            Settings.from_env()
