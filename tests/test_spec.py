@@ -67,6 +67,9 @@ def test_ngram_drafter():
     assert d.draft(2) == []  # 9 never appeared before
     d.extend([1, 2])
     assert d.draft(2) == [9, 1]  # the latest "1 2" is now the one followed by 9
+    # A loop shorter than k: the copy continues with the loop's period.
+    assert NgramDrafter([7, 5, 5, 5]).draft(4) == [5, 5, 5, 5]
+    assert NgramDrafter([1, 2, 3, 2, 3]).draft(5) == [2, 3, 2, 3, 2]
     with pytest.raises(ValueError, match="max_n"):
         NgramDrafter(max_n=0)
 

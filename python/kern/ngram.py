@@ -3,6 +3,9 @@ occurrence of the context's last n tokens, in the sequence's own context. No mod
 
 Design notes
 ------------
+* A match whose continuation runs into the end of the context (a loop shorter than the
+  drafts asked for) is continued with the same period, so a repeating answer drafts ``k``
+  tokens every step, not only up to the end of the context.
 * Incremental: :meth:`NgramDrafter.extend` indexes each new token once (``max_n`` dict
   stores), :meth:`NgramDrafter.draft` looks up ``max_n`` keys at most, so a request pays
   O(max_n) per token, whatever its length. The index keeps, per n-gram, only where its
@@ -56,8 +59,15 @@ class NgramDrafter:
         """Up to ``k`` proposed next tokens (possibly none)."""
         if k <= 0:
             return []
-        for n in range(min(self.max_n, len(self.tokens)), 0, -1):
-            start = self._next.get(tuple(self.tokens[-n:]))
+        src = self.tokens
+        for n in range(min(self.max_n, len(src)), 0, -1):
+            start = self._next.get(tuple(src[-n:]))
             if start is not None:
-                return self.tokens[start : start + k]
+                # The context repeats with period len(src) - start from there: continue the
+                # copy past its end with what was just drafted (an overlapping copy, as LZ77
+                # does), so a loop shorter than k still drafts k tokens.
+                out = src[start : start + k]
+                while len(out) < k:
+                    out.append(out[len(out) - (len(src) - start)])
+                return out
         return []

@@ -10,10 +10,12 @@ Design notes
   best of ``--repeat``; the ratio is of the summed decode times.
 * Answers that repeat themselves: an n-gram drafter can only propose what the context already
   holds, so its acceptance depends on the answer. Random-weight checkpoints fall into loops,
-  some within a few dozen tokens and some not at all, so the bench takes, from seeded random
-  prompts, the first ``--prompts`` whose rows-1 answer repeats within its first ``--probe``
-  tokens (its last 16 tokens hold at most 4 distinct ids), and says how many it tried. It
-  prints every prompt's acceptance, so the speed-up is read against it.
+  some within a few dozen tokens, some after a few hundred, some not at all. So the bench
+  draws seeded random prompts, decodes each ``--probe`` tokens at rows 1, and where the answer
+  has fallen into a loop (16 tokens in a row with at most 4 distinct ids) takes the prompt
+  and the answer up to there as a measured prompt: its continuation is the loop. It takes
+  the first ``--prompts`` it finds, says how many it tried, and prints every prompt's
+  acceptance, so the speed-up is read against it.
 * The answers at rows 1 and rows R are compared: a mismatch is an error (identity is what
   makes the drafts free to be wrong).
 """
@@ -86,8 +88,13 @@ class _Driver:
         return ids, last - first, drafted, accepted
 
 
-def _repeats(ids: list[int]) -> bool:
-    return len(set(ids[-16:])) <= 4
+def _loop_start(ids: list[int], window: int = 16, distinct: int = 4) -> int | None:
+    """Where ``ids`` falls into a loop: the first ``window`` tokens in a row with at most
+    ``distinct`` ids (None: it does not)."""
+    for i in range(len(ids) - window + 1):
+        if len(set(ids[i : i + window])) <= distinct:
+            return i
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,10 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=5, help="the speculative rows (default 5)")
     p.add_argument("--steps", type=int, default=128, help="tokens per answer (default 128)")
     p.add_argument("--prompts", type=int, default=4, help="prompts measured (default 4)")
-    p.add_argument("--probe", type=int, default=64, help="tokens a candidate's answer is probed")
-    p.add_argument("--tries", type=int, default=40, help="candidate prompts at most")
+    p.add_argument(
+        "--probe", type=int, default=256, help="tokens of a candidate's answer searched for a loop"
+    )
+    p.add_argument("--tries", type=int, default=24, help="candidate prompts at most")
     p.add_argument("--prompt-tokens", type=int, default=16)
-    p.add_argument("--repeat", type=int, default=2, help="best of this many runs per prompt")
+    p.add_argument(
+        "--prompt-vocab",
+        type=int,
+        default=256,
+        help="prompt ids are drawn from [1, this) (default 256: byte tokens, in every kern "
+        "tokenizer)",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="best of this many runs per prompt")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -121,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             model = Path(tmp) / "qwen3-100m"
             make_tiny("qwen3", model, seed=0, **MODEL_100M)
         engine = _engine(model, args.rows, args.threads)
-        vocab = engine.checkpoint.config.vocab_size
+        vocab = min(args.prompt_vocab, engine.checkpoint.config.vocab_size)
         one = _Driver(engine, 1)
         wide = _Driver(engine, args.rows)
         rng = random.Random(args.seed)
@@ -131,14 +147,15 @@ def main(argv: list[str] | None = None) -> int:
             tried += 1
             prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_tokens)]
             ids, *_ = one.run(prompt, args.probe)
-            if _repeats(ids):
-                chosen.append(prompt)
+            at = _loop_start(ids)
+            if at is not None:
+                chosen.append(prompt + ids[: at + 16])
         print(
             f"kern.bench.spec: {model.name if args.model else 'qwen3 ~88M (make-tiny, seed 0)'}"
             f", torch {torch.__version__}, {args.threads} threads, {args.steps} tokens per "
             f"answer, rows 1 vs rows {args.rows} (n-gram drafts), best of {args.repeat}; "
-            f"{len(chosen)} of {tried} prompts have answers that repeat within {args.probe} "
-            "tokens"
+            f"{len(chosen)} of {tried} prompts have answers that fall into a loop within "
+            f"{args.probe} tokens (measured from there)"
         )
         if not chosen:
             print("no prompt with a repeating answer: nothing to measure")
