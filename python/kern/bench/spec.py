@@ -12,7 +12,7 @@ Design notes
   holds, so its acceptance depends on the answer. Random-weight checkpoints fall into loops,
   some within a few dozen tokens, some after a few hundred, some not at all. So the bench
   draws seeded random prompts, decodes each ``--probe`` tokens at rows 1, and where the answer
-  has fallen into a loop (16 tokens in a row with at most 4 distinct ids) takes the prompt
+  has fallen into a loop (32 tokens in a row with at most 4 distinct ids) takes the prompt
   and the answer up to there as a measured prompt: its continuation is the loop. It takes
   the first ``--prompts`` it finds, says how many it tried, and prints every prompt's
   acceptance, so the speed-up is read against it.
@@ -23,6 +23,7 @@ Design notes
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import tempfile
 import time
@@ -88,7 +89,7 @@ class _Driver:
         return ids, last - first, drafted, accepted
 
 
-def _loop_start(ids: list[int], window: int = 16, distinct: int = 4) -> int | None:
+def _loop_start(ids: list[int], window: int = 32, distinct: int = 4) -> int | None:
     """Where ``ids`` falls into a loop: the first ``window`` tokens in a row with at most
     ``distinct`` ids (None: it does not)."""
     for i in range(len(ids) - window + 1):
@@ -149,13 +150,15 @@ def main(argv: list[str] | None = None) -> int:
             ids, *_ = one.run(prompt, args.probe)
             at = _loop_start(ids)
             if at is not None:
-                chosen.append(prompt + ids[: at + 16])
+                chosen.append(prompt + ids[: at + 32])
+        load = os.getloadavg()[0]
         print(
             f"kern.bench.spec: {model.name if args.model else 'qwen3 ~88M (make-tiny, seed 0)'}"
             f", torch {torch.__version__}, {args.threads} threads, {args.steps} tokens per "
             f"answer, rows 1 vs rows {args.rows} (n-gram drafts), best of {args.repeat}; "
             f"{len(chosen)} of {tried} prompts have answers that fall into a loop within "
-            f"{args.probe} tokens (measured from there)"
+            f"{args.probe} tokens (measured from there); load average {load:.2f} on "
+            f"{os.cpu_count()} CPUs"
         )
         if not chosen:
             print("no prompt with a repeating answer: nothing to measure")
