@@ -109,11 +109,11 @@ def oracle_drafts(h: Harness, answers: dict[tuple[int, ...], list[int]], wrong_e
     long accepted runs, stops and lengths inside them, rejections at known places."""
     rows = h.sched.rows
 
-    def draft(req, budget: int) -> list[int]:
+    def draft(req, room: int) -> list[int]:
         ans = answers.get(tuple(req.prompt_ids))
-        if ans is None or req.num_output == 0:
+        if ans is None or req.num_output == 0 or room <= 0:
             return []
-        out = ans[req.num_output : req.num_output + min(rows - 1, budget - 1)]
+        out = ans[req.num_output : req.num_output + min(rows - 1, room)]
         return [t + 1 if (req.num_output + i) % wrong_every == 0 else t for i, t in enumerate(out)]
 
     h.sched._draft = draft
@@ -228,6 +228,32 @@ def test_processing_and_seeded_sampling_at_rows_5(engines, params, kw):
             assert 0 < accepted < drafted
         h.assert_idle_and_clean()
     assert got[5] == got[1]
+
+
+def test_drafts_take_only_what_decode_rows_leave(engines):
+    """A step budget of 6 tokens and four sequences decoding: each gets its token every step
+    (the drafts fill what the decode rows leave, oldest first), none waits while others
+    speculate."""
+    engine = engines("qwen3")
+    h = fresh(engine, rows=5, max_step_tokens=6)
+    prompts = [prompt(60 + i, 5) for i in range(4)]
+    answers = {tuple(p): h.expected(p, 30, ignore_eos=True) for p in prompts}
+    oracle_drafts(h, answers, wrong_every=1000)
+    reqs = [h.submit(p, 30, ignore_eos=True) for p in prompts]
+    while not all(r.num_output for r in reqs):
+        h.step()
+    while h.open:
+        before = [r.num_output for r in reqs]
+        drafted = spec_counts(h)[0]
+        decoding = len(h.sched._running)
+        h.step()
+        for r, n in zip(reqs, before, strict=True):
+            assert r.num_output > n or n == r.max_tokens
+        assert spec_counts(h)[0] - drafted <= 6 - decoding
+    for r in reqs:
+        h.assert_identical(r)
+    assert spec_counts(h)[1] > 0
+    h.assert_idle_and_clean()
 
 
 class _Grammar:

@@ -563,6 +563,9 @@ class Scheduler:
         budget = self.max_step_tokens
         pt = self.pt
         plan: list[tuple[Request, int]] = []
+        # Drafts take only what the step's decode rows leave of the budget, so speculation
+        # never keeps a younger request from its token.
+        spare = budget - sum(len(r.tokens) - r.num_computed == 1 for r in self._running)
         # Decode rows first, oldest first: they are cheap and keep streams flowing.
         for req in sorted(self._running, key=_decode_first):
             if req not in self._running:
@@ -571,7 +574,8 @@ class Scheduler:
                 break
             left = len(req.tokens) - req.num_computed
             k = min(left, budget)
-            req.drafts = self._draft(req, budget) if left == 1 else []
+            req.drafts = self._draft(req, min(spare, budget - 1)) if left == 1 else []
+            spare -= len(req.drafts)
             k += len(req.drafts)
             at = self._prompt_snapshot_at(req)
             if at is not None and req.num_computed < at < req.num_computed + k:
@@ -698,13 +702,13 @@ class Scheduler:
                 self._running.remove(req)
                 self._finish(req, reason, events)
 
-    def _draft(self, req: Request, budget: int) -> list[int]:
+    def _draft(self, req: Request, room: int) -> list[int]:
         """The tokens ``req``'s next decode step verifies after its last one: up to
         ``rows - 1`` n-gram drafts, fewer near ``max_tokens`` (nothing past it is ever
-        computed) or the step's budget, none for a request whose logits processing depends
-        on state the drafts would have to advance (a grammar's matcher), which decodes one
-        row at a time."""
-        k = min(self.rows - 1, req.max_tokens - req.num_output - 1, budget - 1)
+        computed) or than ``room`` (what the step's budget leaves), none for a request whose
+        logits processing depends on state the drafts would have to advance (a grammar's
+        matcher), which decodes one row at a time."""
+        k = min(self.rows - 1, req.max_tokens - req.num_output - 1, room)
         if k <= 0 or req.num_output == 0 or req.grammar is not None:
             return []
         if req.drafter is None:
