@@ -35,6 +35,16 @@ Design notes
   its own and given to the tree with the prompt's pages (the partial last page as a copy,
   the request keeps writing its own), so the same prompt again resumes there. If no slot or
   page can be had the snapshot is skipped: it is a cache, never a reason to wait.
+* Speculative rows (``rows`` > 1, docs/serve.md): a decode step of a request verifies its
+  last token and up to ``rows - 1`` n-gram drafts (kern.ngram) as one chunk with a row of
+  logits each. Row j is sampled as plain decoding samples that position (its context with
+  the drafts before it, draw index ``num_output + j``), drafts are kept while they equal
+  those tokens, and the first mismatch is replaced by the row's token: the answer is the
+  rows-1 answer. Tokens are sent one by one up to a stop or ``max_tokens``; ``num_computed``
+  then moves by the tokens sent and a recurrent state is rewound to the row of the last one
+  (``Runner.keep_rows``), so nothing rejected or unsent is ever read, and the request-end
+  snapshot sits where rows 1 puts it. Drafts use only the step budget the decode rows leave,
+  never past ``max_tokens``, and a request with a grammar decodes one row at a time.
 * Preemption: a decode that needs a page when nothing is evictable preempts the youngest
   running request. Its computed tokens and pages go into the prefix tree (with its state, on a
   stateful model), it unlocks, and it goes back to the head of the queue. The tree's make-room
