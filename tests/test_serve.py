@@ -109,8 +109,8 @@ def kern_toml(tmp_path_factory, tiny_dir):
     path = folder / "kern.toml"
     path.write_text(
         f'[targets.ranks]\ncheckpoint = "{ckpt}"\nranks = 8\n'
-        f'[targets.draft]\ncheckpoint = "{ckpt}"\ndraft = "/nonexistent"\n'
-        f'[targets.ngram]\ncheckpoint = "{ckpt}"\ndraft = "ngram"\n'
+        f'[targets.draft]\ncheckpoint = "{ckpt}"\ndraft = "/nonexistent"\nrows = [1, 2]\n'
+        f'[targets.ngram]\ncheckpoint = "{ckpt}"\ndraft = "ngram"\nrows = [1, 3]\n'
         f'[targets.rows]\ncheckpoint = "{ckpt}"\nrows = [1, 4]\n'
         f'[targets.bf16]\ncheckpoint = "{ckpt}"\ndtype = "bfloat16"\n'
         f'[targets.gone]\ncheckpoint = "{folder / "missing"}"\n'
@@ -137,8 +137,8 @@ def test_start_up_mistakes_are_one_line_and_exit_2(kern_toml, tiny_dir):
         (["--model", ckpt, "--device", "tpu"], "argument --device: 'tpu' is not 'cpu'"),
         (["--config", toml, "--target", "ranks"], f"{toml}: targets.ranks.ranks: ranks = 8"),
         (["--config", toml, "--target", "draft"], f"{toml}: targets.draft.draft: draft = '/n"),
-        (["--config", toml, "--target", "ngram"], "draft = 'ngram': the server does not specul"),
-        (["--config", toml, "--target", "rows"], f"{toml}: targets.rows.rows: rows = [1, 4]: "),
+        (["--config", toml, "--target", "rows", "--rows", "3"], "--rows 3: target 'rows' decl"),
+        (["--model", ckpt, "--rows", "0"], "argument --rows: "),
         (["--config", toml, "--target", "bf16"], f"{toml}: targets.bf16.dtype: target 'bf16'"),
         (["--config", toml, "--target", "gone"], "missing: no such checkpoint folder"),
         (["--config", toml, "--target", "llama"], "model_type 'llama' is not supported"),
@@ -172,7 +172,7 @@ def test_run_and_test_share_the_target_check(kern_toml, capsys):
         for command in (["run", "--prompt", "a", "--steps", "1"], ["test"]):
             assert cli.main([*command, "--config", toml, "--target", target]) == 2
             assert message in capsys.readouterr().err
-    # kern run verifies rows offline, with n-gram drafts: both keys are implemented there.
+    # n-gram drafts at rows > 1: both keys are implemented.
     for target in ("rows", "ngram"):
         args = ["run", "--config", toml, "--target", target, "--prompt", "ab", "--steps", "3"]
         assert cli.main(args) == 0, capsys.readouterr().err

@@ -67,6 +67,8 @@ def test_cuda_defaults_to_bfloat16(tmp_path):
         ('[targets.a]\ncheckpoint = "c"\ndtype = "int8"\n', "targets.a.dtype: 'int8'"),
         ('[targets.a]\ncheckpoint = "c"\ndevice = "tpu"\n', "targets.a.device: 'tpu'"),
         ('[targets.a]\ncheckpoint = "c"\nrows = [0]\n', "targets.a.rows"),
+        ('[targets.a]\ncheckpoint = "c"\ndraft = "ngram"\n', "targets.a.draft: draft = 'ngram' dr"),
+        ('[targets.a]\ncheckpoint = "c"\ndraft = 3\nrows = [1, 2]\n', "targets.a.draft: expected"),
         ('[targets.a]\ncheckpoint = "c"\nrows = []\n', "targets.a.rows"),
         ('[targets.a]\ncheckpoint = "c"\nthreads = true\n', "targets.a.threads"),
         ('[targets.a]\ncheckpoint = "c"\npool_bytes = "lots"\n', "targets.a.pool_bytes"),

@@ -193,11 +193,12 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         """``KERN_CONFIG`` + ``KERN_TARGET`` (a kern.toml target) or ``KERN_MODEL`` (a
-        checkpoint folder), ``KERN_API_KEY``, ``KERN_MAX_BODY_BYTES``, ``KERN_LOG_LEVEL``,
-        ``KERN_LOG_PROMPTS``, ``KERN_STATS_INTERVAL``, ``KERN_REASONING_PARSER``. Raises
-        ``UsageError`` naming the variable."""
+        checkpoint folder), ``KERN_ROWS`` (as ``kern serve --rows``), ``KERN_API_KEY``,
+        ``KERN_MAX_BODY_BYTES``, ``KERN_LOG_LEVEL``, ``KERN_LOG_PROMPTS``,
+        ``KERN_STATS_INTERVAL``, ``KERN_REASONING_PARSER``. Raises ``UsageError`` naming the
+        variable."""
         from kern.errors import UsageError
-        from kern.targets import check_target, resolve_target
+        from kern.targets import check_target, choose_rows, resolve_target
 
         env = os.environ
         parser = env.get("KERN_REASONING_PARSER") or None
@@ -212,12 +213,17 @@ class Settings:
             raise UsageError("KERN_CONFIG needs KERN_TARGET")
         if name and not config:
             raise UsageError("KERN_TARGET needs KERN_CONFIG")
-        target, _ = resolve_target(
+        target, toml_name = resolve_target(
             config=Path(config) if config else None,
             target=name or None,
             model=Path(model) if model else None,
             overrides={"reasoning_parser": parser},
         )
+        if "KERN_ROWS" in env:
+            rows = env["KERN_ROWS"]
+            if not rows.isdigit() or int(rows) < 1:
+                raise UsageError(f"KERN_ROWS={rows!r} is not a positive integer")
+            target = choose_rows(target, toml_name, int(rows), "KERN_ROWS")
         check_target(target, serving=True)
         out = cls(
             target=target,

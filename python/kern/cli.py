@@ -275,10 +275,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             )
     if args.probe_steps is not None and max(args.probe_steps) >= args.steps:
         raise UsageError(f"--probe-steps {max(args.probe_steps)} is past --steps {args.steps}")
+    from kern.targets import choose_rows
+
     target, target_name = _resolve_target(args)
-    rows = args.rows if args.rows is not None else target.widest_rows
-    if target_name is not None and rows != 1 and rows not in target.rows:
-        raise UsageError(f"--rows {rows}: target {target_name!r} declares rows {list(target.rows)}")
+    target = choose_rows(target, target_name, args.rows, "--rows")
+    rows = target.decode_rows
     sampling = _sampling(args)
 
     ckpt = _load(target)

@@ -88,7 +88,8 @@ class Engine:
         **limits: Any,
     ) -> Scheduler:
         """A scheduler over this engine's runner and cache (``limits``: ``max_step_tokens``,
-        ``max_running``)."""
+        ``max_running``, ``rows``; ``rows`` defaults to the target's ``decode_rows``)."""
+        limits.setdefault("rows", self.target.decode_rows)
         return Scheduler(
             self.runner,
             self.cache,

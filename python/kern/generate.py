@@ -19,7 +19,6 @@ Design notes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +27,7 @@ from torch import Tensor
 from kern.backend import make_ops
 from kern.batch import SeqChunk
 from kern.checkpoint import Checkpoint
+from kern.ngram import NgramDrafter
 from kern.runner import Runner
 from kern.sampler import SamplingParams, sample
 
@@ -42,36 +42,9 @@ class GenerateResult:
 
     ids: list[int]
     probes: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
-
-
-class NgramDrafter:
-    """Drafts from the context itself: the tokens that followed the most recent earlier
-    occurrence of the context's last n tokens (n = max_n down to 1). O(max_n) per token."""
-
-    def __init__(self, tokens: Sequence[int] = (), max_n: int = 3) -> None:
-        self.max_n = max_n
-        self.tokens: list[int] = []
-        # n-gram -> start of the tokens that followed its latest occurrence
-        self._next: dict[tuple[int, ...], int] = {}
-        self.extend(tokens)
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        for t in tokens:
-            self.tokens.append(t)
-            end = len(self.tokens) - 1  # the new token continues n-grams ending before it
-            for n in range(1, self.max_n + 1):
-                if end >= n:
-                    self._next[tuple(self.tokens[end - n : end])] = end
-
-    def draft(self, k: int) -> list[int]:
-        """Up to ``k`` proposed next tokens (possibly none)."""
-        if k <= 0:
-            return []
-        for n in range(min(self.max_n, len(self.tokens)), 0, -1):
-            start = self._next.get(tuple(self.tokens[-n:]))
-            if start is not None:
-                return self.tokens[start : start + k]
-        return []
+    # Drafted tokens verified, and how many of them were accepted (0 at rows 1).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def generate(
@@ -116,6 +89,7 @@ def generate(
     out: list[int] = []
     if steps == 0:
         return GenerateResult(out, probes)
+    num_drafted = num_accepted = 0
 
     def pick(logits: Tensor, first: int) -> list[int]:
         n = logits.shape[0]
@@ -142,6 +116,8 @@ def generate(
         accepted = 1
         while accepted < len(chunk) and chunk[accepted] == verified[accepted - 1]:
             accepted += 1
+        num_drafted += len(drafts)
+        num_accepted += accepted - 1
         for key in [s for s in probes if s >= len(out) + accepted]:
             del probes[key]
         if rows > 1 and runner.stateful:
@@ -150,4 +126,4 @@ def generate(
         out.extend(new)
         drafter.extend(new)
         pos += accepted
-    return GenerateResult(out[:steps], probes)
+    return GenerateResult(out[:steps], probes, num_drafted, num_accepted)

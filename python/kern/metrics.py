@@ -139,6 +139,20 @@ class Metrics:
         self.dropped_parked = counter(
             "kern_dropped_parked", "Cache entries dropped from host memory."
         )
+        self.spec_drafts = counter(
+            "kern_spec_decode_num_drafts",
+            "Verify steps of a sequence with at least one drafted token: "
+            "vllm:spec_decode_num_drafts.",
+        )
+        self.spec_draft_tokens = counter(
+            "kern_spec_decode_num_draft_tokens",
+            "Drafted tokens verified: vllm:spec_decode_num_draft_tokens.",
+        )
+        self.spec_accepted_tokens = counter(
+            "kern_spec_decode_num_accepted_tokens",
+            "Drafted tokens accepted (equal to the target's own token): "
+            "vllm:spec_decode_num_accepted_tokens.",
+        )
         success = Counter(
             "kern_request_success",
             "Requests finished, by finish reason: vllm:request_success.",

@@ -35,6 +35,16 @@ Design notes
   its own and given to the tree with the prompt's pages (the partial last page as a copy,
   the request keeps writing its own), so the same prompt again resumes there. If no slot or
   page can be had the snapshot is skipped: it is a cache, never a reason to wait.
+* Speculative rows (``rows`` > 1, docs/serve.md): a decode step of a request verifies its
+  last token and up to ``rows - 1`` n-gram drafts (kern.ngram) as one chunk with a row of
+  logits each. Row j is sampled as plain decoding samples that position (its context with
+  the drafts before it, draw index ``num_output + j``), drafts are kept while they equal
+  those tokens, and the first mismatch is replaced by the row's token: the answer is the
+  rows-1 answer. Tokens are sent one by one up to a stop or ``max_tokens``; ``num_computed``
+  then moves by the tokens sent and a recurrent state is rewound to the row of the last one
+  (``Runner.keep_rows``), so nothing rejected or unsent is ever read, and the request-end
+  snapshot sits where rows 1 puts it. Drafts use only the step budget the decode rows leave,
+  never past ``max_tokens``, and a request with a grammar decodes one row at a time.
 * Preemption: a decode that needs a page when nothing is evictable preempts the youngest
   running request. Its computed tokens and pages go into the prefix tree (with its state, on a
   stateful model), it unlocks, and it goes back to the head of the queue. The tree's make-room
@@ -71,6 +81,7 @@ import numpy as np
 
 from kern.batch import SeqChunk
 from kern.metrics import Metrics
+from kern.ngram import NgramDrafter
 from kern.pool import Cache, Evicted, Match, PoolFull
 from kern.runner import Runner
 from kern.sampler import Context, LogprobEntry, SamplingParams, TokenLog, logprobs, sample
@@ -128,6 +139,10 @@ class Request:
     order: int = 0
     # The prompt-end snapshot (stateful models) is taken or not needed.
     prompt_snapshot_done: bool = False
+    # Speculative rows: the request's n-gram index over its tokens (built at its first
+    # verify step), and the drafts this step verifies.
+    drafter: NgramDrafter | None = None
+    drafts: list[int] = field(default_factory=list)
     # perf_counter() seconds: submitted, first admitted, first and latest token (0: not yet).
     t_submit: float = 0.0
     t_admit: float = 0.0
@@ -150,10 +165,13 @@ class Scheduler:
         metrics: Metrics | None = None,
         max_step_tokens: int = 512,
         max_running: int = 256,
+        rows: int = 1,
         on_crash: Callable[[BaseException], None] | None = None,
     ) -> None:
         if max_step_tokens < 1 or max_running < 1:
             raise ValueError("max_step_tokens and max_running must be >= 1")
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
         self.runner = runner
         self.cache = cache
         self.pt = cache.page_tokens
@@ -163,6 +181,8 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.max_step_tokens = max_step_tokens
         self.max_running = max_running
+        # Positions a decode step verifies per sequence: 1 + up to rows - 1 n-gram drafts.
+        self.rows = rows
         self.on_crash = on_crash
         self.stateful = runner.stateful
         # Every page the pool can give to requests (a stateful pool keeps its first slots).
@@ -555,6 +575,9 @@ class Scheduler:
         budget = self.max_step_tokens
         pt = self.pt
         plan: list[tuple[Request, int]] = []
+        # Drafts take only what the step's decode rows leave of the budget, so speculation
+        # never keeps a younger request from its token.
+        spare = budget - sum(len(r.tokens) - r.num_computed == 1 for r in self._running)
         # Decode rows first, oldest first: they are cheap and keep streams flowing.
         for req in sorted(self._running, key=_decode_first):
             if req not in self._running:
@@ -563,10 +586,14 @@ class Scheduler:
                 break
             left = len(req.tokens) - req.num_computed
             k = min(left, budget)
+            req.drafts = self._draft(req, min(spare, budget - 1)) if left == 1 else []
+            spare -= len(req.drafts)
+            k += len(req.drafts)
             at = self._prompt_snapshot_at(req)
             if at is not None and req.num_computed < at < req.num_computed + k:
                 k = at - req.num_computed
             if req.num_computed + k > len(req.block_table) * pt and not self._grow(req, k):
+                req.drafts = []
                 continue  # preempted itself: nothing younger to take from
             plan.append((req, k))
             budget -= k
@@ -576,6 +603,11 @@ class Scheduler:
         batch = []
         for req, k in plan:
             nc = req.num_computed
+            if req.drafts:
+                # Verify: the last token, then the drafts; one row of logits each.
+                chunk = [req.tokens[nc], *req.drafts]
+                batch.append(SeqChunk(chunk, nc, req.block_table, slot=req.slot, logits="all"))
+                continue
             done = nc + k == len(req.tokens)
             batch.append(
                 SeqChunk(
@@ -587,8 +619,17 @@ class Scheduler:
                 )
             )
         logits = self.runner.forward(batch)
-        rows = [r for (r, k) in plan if r.num_computed + k == len(r.tokens)]
+        # Requests that get logits: (request, its first logits row, its number of rows).
+        rows: list[tuple[Request, int, int]] = []
+        first = 0
         for req, k in plan:
+            if req.drafts:
+                rows.append((req, first, k))
+                first += k
+                continue  # num_computed moves once the drafts are judged
+            if req.num_computed + k == len(req.tokens):
+                rows.append((req, first, 1))
+                first += 1
             req.num_computed += k
             if k > 1 and not self.stateful:
                 self._share_prefill(req)
@@ -596,42 +637,97 @@ class Scheduler:
                 self._prompt_snapshot(req)
         if not rows:
             return
-        contexts = [self._context(r) for r in rows]
+        params: list[SamplingParams] = []
+        draw_ids: list[int] = []
+        contexts: list[Context | None] = []
+        for req, _, n in rows:
+            for j in range(n):
+                params.append(req.params)
+                draw_ids.append(req.num_output + j)
+                contexts.append(self._context(req, req.drafts[:j]))
         picked = sample(
             logits,
-            [r.params for r in rows],
-            [r.num_output for r in rows],
+            params,
+            draw_ids,
             contexts if any(c is not None for c in contexts) else None,
         )
         now = time.perf_counter()
         m = self.metrics
-        m.generation_tokens.inc(len(rows))
-        for i, (req, tok) in enumerate(zip(rows, picked, strict=True)):
-            lp = None
-            if req.num_logprobs is not None:
-                lp = logprobs(logits, i, tok, req.num_logprobs)
-            req.tokens.append(tok)
-            req.num_output += 1
-            if req.num_output == 1:
+        for req, start, n in rows:
+            verified = picked[start : start + n]
+            # Greedy or sampled alike: row j yields the token plain decoding would produce
+            # at that position (same context, same draw index), so a draft is accepted while
+            # it equals that token; the first mismatch is replaced by it.
+            accepted = 1
+            while accepted < n and req.drafts[accepted - 1] == verified[accepted - 1]:
+                accepted += 1
+            if n > 1:
+                m.spec_drafts.inc()
+                m.spec_draft_tokens.inc(n - 1)
+                m.spec_accepted_tokens.inc(accepted - 1)
+            reason = None
+            sent = 0
+            for j, tok in enumerate(verified[:accepted]):
+                lp = None
+                if req.num_logprobs is not None:
+                    lp = logprobs(logits, start + j, tok, req.num_logprobs)
+                req.tokens.append(tok)
+                req.num_output += 1
+                sent += 1
+                if req.grammar is not None and not req.grammar.accept(tok):
+                    # The mask allowed only what the grammar accepts: a refusal is a bug.
+                    log.error("the structured-output grammar refused token %d; ending", tok)
+                    reason = "abort"
+                elif tok in req.stop_ids or (tok in self.eos and not req.ignore_eos):
+                    reason = "stop"
+                elif req.num_output >= req.max_tokens:
+                    reason = "length"
+                events.append((req, (tok, lp, None)))
+                if reason is not None:
+                    break  # tokens accepted past a stop are never sent
+            if reason is not None and sent < accepted:
+                log.debug(
+                    "%d accepted tokens after a %r finish not sent; state rewound to the last "
+                    "token sent",
+                    accepted - sent,
+                    reason,
+                )
+            if n > 1:
+                # The KV and state now hold the last token and the drafts that were sent; the
+                # rest (rejected, or accepted past a stop) is never read: the next chunk
+                # starts at num_computed and overwrites it, and the state is rewound to the
+                # row of the last token sent, exactly where rows 1 would leave it.
+                req.num_computed += sent
+                if self.stateful:
+                    assert req.slot is not None
+                    self.runner.keep_rows(req.slot, sent)
+            req.drafts = []
+            m.generation_tokens.inc(sent)
+            if req.num_output == sent:
                 req.t_first = now
                 m.ttft.observe(now - req.t_submit)
                 m.prefill_time.observe(now - req.t_admit)
             else:
                 m.itl.observe(now - req.t_last)
             req.t_last = now
-            reason = None
-            if req.grammar is not None and not req.grammar.accept(tok):
-                # The mask allowed only what the grammar accepts: a refusal is a bug.
-                log.error("the structured-output grammar refused token %d; ending", tok)
-                reason = "abort"
-            elif tok in req.stop_ids or (tok in self.eos and not req.ignore_eos):
-                reason = "stop"
-            elif req.num_output >= req.max_tokens:
-                reason = "length"
-            events.append((req, (tok, lp, None)))
             if reason is not None:
                 self._running.remove(req)
                 self._finish(req, reason, events)
+
+    def _draft(self, req: Request, room: int) -> list[int]:
+        """The tokens ``req``'s next decode step verifies after its last one: up to
+        ``rows - 1`` n-gram drafts, fewer near ``max_tokens`` (nothing past it is ever
+        computed) or than ``room`` (what the step's budget leaves), none for a request whose
+        logits processing depends on state the drafts would have to advance (a grammar's
+        matcher), which decodes one row at a time."""
+        k = min(self.rows - 1, req.max_tokens - req.num_output - 1, room)
+        if k <= 0 or req.num_output == 0 or req.grammar is not None:
+            return []
+        if req.drafter is None:
+            req.drafter = NgramDrafter(req.tokens)
+        else:
+            req.drafter.sync(req.tokens)
+        return req.drafter.draft(k)
 
     def _prompt_snapshot_at(self, req: Request) -> int | None:
         """Where ``req``'s prompt-end snapshot goes (see the design notes), if it still needs
@@ -675,13 +771,18 @@ class Scheduler:
             cache.unlock(req.node)
         req.node = m.node
 
-    def _context(self, req: Request) -> Context | None:
-        """What the sampler's logits processing needs of ``req``, or None if it needs none."""
+    def _context(self, req: Request, drafts: list[int]) -> Context | None:
+        """What the sampler's logits processing needs of ``req``'s next token after
+        ``drafts`` (a verify row's context: the drafts before it, as if accepted), or None
+        if it needs none."""
         banned: frozenset[int] = frozenset()
-        if req.num_output < req.min_tokens:
+        if req.num_output + len(drafts) < req.min_tokens:
             banned = req.stop_ids | self.eos
         if not banned and not req.params.processes and req.grammar is None:
             return None
+        if drafts:
+            # A row behind drafts sees them as its tokens: a new list, converted whole.
+            return Context(req.tokens + drafts, len(req.prompt_ids), banned, req.grammar)
         if req.token_log is None and req.params.processes:
             req.token_log = TokenLog()
         return Context(req.tokens, len(req.prompt_ids), banned, req.grammar, req.token_log)

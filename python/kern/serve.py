@@ -90,6 +90,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=REASONING_PARSERS,
         help="split chat answers' <think>...</think> into reasoning_content (default: off)",
     )
+    keys.add_argument(
+        "--rows",
+        type=_positive_int,
+        metavar="R",
+        help="positions a decode step verifies per sequence: the last token and R - 1 n-gram "
+        "drafts; one of the target's declared rows (default: its widest; 1: plain decoding)",
+    )
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     net.add_argument(
@@ -129,16 +136,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kern import logs
-    from kern.targets import FLAGS, check_target, resolve_target
+    from kern.targets import FLAGS, check_target, choose_rows, resolve_target
 
     logs.configure(args.log_level)
-    target, _ = resolve_target(
+    target, name = resolve_target(
         config=args.config,
         target=args.target,
         model=args.model,
         overrides={key: getattr(args, key) for key in FLAGS},
         served_name=args.served_model_name,
     )
+    target = choose_rows(target, name, args.rows, "--rows")
     config = check_target(target, serving=True)
     from kern.app import App, Settings, api_key
 
@@ -190,12 +198,17 @@ def _summary(target, family: str, engine, app, sock: socket.socket) -> str:
     host = f"[{host}]" if ":" in host else host
     return (
         f"kern {__version__} serving {target.name!r}: {family} from {target.checkpoint} on "
-        f"{target.device}/{target.dtype}, threads {target.threads}; KV pool "
+        f"{target.device}/{target.dtype}, threads {target.threads}, {_rows(target)}; KV pool "
         f"{app.scheduler.max_pages} pages x {target.page_tokens} tokens, "
         f"{stats.slot_capacity} state slots ({device_arena / mib:.1f} MiB); host tier "
         f"{stats.host_pages_free} pages ({host_arena / mib:.1f} MiB); "
         f"listening on http://{host}:{port}"
     )
+
+
+def _rows(target) -> str:
+    rows = target.decode_rows
+    return "rows 1" if rows == 1 else f"rows {rows} (the last token and {rows - 1} n-gram drafts)"
 
 
 def _serve(app, sock: socket.socket, args: argparse.Namespace, summary: str) -> None:

@@ -9,10 +9,12 @@ Design notes
   ``--host-bytes``, ``--page-tokens``) override the file's value. Every key remembers what set
   it (``Target.origin``), so an error names the file and key, or the flag.
 * A key kern does not implement for the command is refused, never ignored: ``ranks`` other than
-  1 anywhere; a draft checkpoint anywhere (``draft = "ngram"`` names the drafter ``kern run``
-  and ``kern test`` use at rows > 1); and, when serving, ``rows`` other than [1] and any
-  ``draft``, since the scheduler decodes one row per step. ``kern run --rows`` and a kern.toml
-  ``rows`` stay valid for ``kern run`` and ``kern test``: they verify rows offline.
+  1 anywhere, and a draft checkpoint anywhere (not implemented yet). ``draft = "ngram"`` (the
+  default at rows > 1) is the drafter ``kern run``, ``kern test`` and ``kern serve`` use.
+* ``--rows R`` (``kern run``, ``kern serve``; ``KERN_ROWS`` under hypercorn) picks one of a
+  kern.toml target's declared shapes (:func:`choose_rows`; rows 1, plain decoding, is always
+  allowed); a ``--model`` or embedded target declares none, so any R is taken as declared.
+  Without it, both run at the widest.
 * Everything that needs no weights is checked here, before anything loads or binds: the
   backend's dtype, a CUDA device, and the checkpoint's ``config.json`` (its family is known
   for the start-up line, and an unknown ``model_type`` is one line, not a traceback).
@@ -28,7 +30,7 @@ from kern.config import MissingFileError, ModelConfig, load_config
 from kern.errors import UsageError
 from kern.toml_config import Target, default_dtype, load_toml_config
 
-__all__ = ["FLAGS", "check_target", "resolve_target"]
+__all__ = ["FLAGS", "check_target", "choose_rows", "resolve_target"]
 
 # kern.toml key -> the flag that sets it on the command line.
 FLAGS = {
@@ -99,6 +101,26 @@ def resolve_target(
     return resolved, name
 
 
+def choose_rows(target: Target, name: str | None, rows: int | None, flag: str) -> Target:
+    """``target`` decoding at ``rows`` (None: its widest). A kern.toml target (``name``) must
+    declare ``rows`` unless it is 1; one without a file declares what it is given. Raises
+    :class:`UsageError` naming ``flag``."""
+    if rows is None:
+        return target
+    if rows < 1:
+        raise UsageError(f"{flag} {rows}: rows must be a positive integer")
+    declared = target.rows
+    if rows not in declared:
+        if name is not None and rows != 1:
+            raise UsageError(
+                f"{flag} {rows}: target {name!r} declares rows {list(declared)} "
+                f"({target.where('rows')})"
+            )
+        declared = tuple(sorted({*declared, rows}))
+    origin = {**target.origin, "rows": f"{flag} {rows}"}
+    return dataclasses.replace(target, rows=declared, chosen_rows=rows, origin=origin)
+
+
 def check_target(target: Target, *, serving: bool) -> ModelConfig:
     """Refuse what kern cannot run here (see the design notes); return the checkpoint's
     config. Raises :class:`UsageError` naming the key's file or flag, and
@@ -108,18 +130,10 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
             f"{target.where('ranks')}: ranks = {target.ranks}: kern runs one rank "
             "(several ranks are not implemented yet)"
         )
-    if target.draft is not None:
-        why = None
-        if serving:
-            why = "the server does not speculate yet"
-        elif target.draft != "ngram":
-            why = "draft checkpoints are not implemented yet ('ngram' is kern run's drafter)"
-        if why is not None:
-            raise UsageError(f"{target.where('draft')}: draft = {target.draft!r}: {why}")
-    if serving and target.rows != (1,):
+    if target.draft is not None and target.draft != "ngram":
         raise UsageError(
-            f"{target.where('rows')}: rows = {list(target.rows)}: the server decodes one row "
-            "per step (rows > 1 is for kern run and kern test)"
+            f"{target.where('draft')}: draft = {target.draft!r}: draft checkpoints are not "
+            "implemented yet (use draft = 'ngram', n-gram lookup in the request's context)"
         )
     # Each backend computes in one dtype (kern.backend): anything else would be converted
     # back, and the output would claim a dtype it did not use.

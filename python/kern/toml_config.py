@@ -8,8 +8,8 @@ device = "cpu"
 pool_bytes = "1GiB"                # device budget for KV pages and states
 host_bytes = "4GiB"                # host tier for parked cache entries; 0 = none
 page_tokens = 16
-rows = [1, 4]                      # decode row shapes; kern run uses the widest
-draft = "ngram"                    # or a draft checkpoint folder
+rows = [1, 4]                      # decode row shapes; kern run and serve use the widest
+draft = "ngram"                    # the drafter at rows > 1 (the default); or a checkpoint
 ranks = 1
 threads = 2                        # torch intra-op threads (CPU results depend on it)
 reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_content
@@ -17,8 +17,10 @@ reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_co
 
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
 misspelt ``page_token = 32`` silently ignored would serve with 16 and nobody would know. This
-module parses; whether a command can run what a target asks (``rows`` and ``draft`` are not
-served yet, ``ranks`` is 1) is :func:`kern.targets.check_target`'s call.
+module parses; whether a command can run what a target asks (a draft checkpoint is not
+implemented yet, ``ranks`` is 1) is :func:`kern.targets.check_target`'s call. A step at rows R
+verifies the last token and R - 1 drafts, so ``rows`` also says how many tokens to draft;
+``draft`` without a row shape above 1 would draft nothing, and is an error.
 """
 
 from __future__ import annotations
@@ -93,20 +95,29 @@ class Target:
     pool_bytes: int | None = None
     host_bytes: int = 0
     page_tokens: int = 16
-    # Row shapes a decode step may verify (1 = plain decoding), ascending.
+    # Row shapes a decode step may verify (1 = plain decoding), ascending. A step at rows R
+    # verifies the sequence's last token and R - 1 drafted tokens.
     rows: tuple[int, ...] = (1,)
-    # "ngram" for n-gram lookup in the context, or a draft checkpoint folder, or None.
+    # "ngram" for n-gram lookup in the context, or a draft checkpoint folder, or None (at
+    # rows > 1: n-gram lookup, the drafter that needs no model).
     draft: str | None = None
     ranks: int = 1
     threads: int = DEFAULT_THREADS
     # Split <think>...</think> into reasoning_content when serving chat (kern.splitter); None: off.
     reasoning_parser: str | None = None
+    # The rows this command decodes at (``--rows``, ``KERN_ROWS``); None: the widest declared.
+    chosen_rows: int | None = None
     # Where each key was set, for errors: "kern.toml: targets.x.pool_bytes", "--pool-bytes".
     origin: dict[str, str] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def widest_rows(self) -> int:
         return self.rows[-1]
+
+    @property
+    def decode_rows(self) -> int:
+        """The rows a decode step verifies: the chosen ones, else the widest declared."""
+        return self.widest_rows if self.chosen_rows is None else self.chosen_rows
 
     def where(self, key: str) -> str:
         """What set ``key``: a file and table, or a flag (the target's name if a default)."""
@@ -172,6 +183,11 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
     draft = table.get("draft")
     if draft is not None and not isinstance(draft, str):
         raise TomlConfigError(f"{where}.draft: expected 'ngram' or a checkpoint path")
+    if draft is not None and max(rows_list) == 1:
+        raise TomlConfigError(
+            f"{where}.draft: draft = {draft!r} drafts nothing at rows {rows_list} (a step at "
+            "rows R verifies R - 1 drafts): declare a row shape above 1, e.g. rows = [1, 4]"
+        )
     if draft is not None and draft != "ngram":
         draft = str((path.parent / draft).resolve())
     pool = table.get("pool_bytes")

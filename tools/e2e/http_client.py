@@ -220,9 +220,9 @@ def _assemble(events: Iterator[dict[str, Any]], chat: bool) -> Answer:
 
 
 class ServerProcess:
-    """``kern serve --config CONFIG --target NAME`` (without both: the embedded model) on a
-    free loopback port, its output in ``log``. Use as a context manager: the server is stopped
-    (SIGTERM, then SIGKILL) on exit."""
+    """``kern serve --config CONFIG --target NAME [EXTRA...]`` (without both: the embedded
+    model) on a free loopback port, its output in ``log``. Use as a context manager: the
+    server is stopped (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(
         self,
@@ -232,13 +232,14 @@ class ServerProcess:
         log: Path,
         *,
         start_limit: float,
+        extra: tuple[str, ...] = (),
     ) -> None:
         self.port = free_port()
         self.log_path = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         which = ["--config", str(config), "--target", target] if config and target else []
         self.proc = subprocess.Popen(
-            [*kern, "serve", *which, "--port", str(self.port)],
+            [*kern, "serve", *which, "--port", str(self.port), *extra],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),

@@ -42,6 +42,7 @@ SCENARIOS = (
     "hang-up",
     "park + wake",
     "slot growth",
+    "rows",
     "idle",
 )
 
@@ -144,8 +145,12 @@ class TargetGate:
     def reference(self, req: Request) -> Reference:
         return self.oracle.answer(req.prompt, STEPS, self.rows, chat=req.chat)
 
-    def check(self, res: Result, label: str, got: Answer, ref: Reference) -> bool:
-        """Judge ``got`` against `kern run`; True when identical (ids, text, finish)."""
+    def check(
+        self, res: Result, label: str, got: Answer, ref: Reference, rows: int | None = None
+    ) -> bool:
+        """Judge ``got`` against `kern run` (at ``rows``, default the target's widest; a
+        divergence is probed at those rows); True when identical (ids, text, finish)."""
+        rows = self.rows if rows is None else rows
         res.compared += 1
         if got.prompt_tokens != len(ref.prompt_ids):
             res.fail(
@@ -153,7 +158,7 @@ class TargetGate:
                 f"{len(ref.prompt_ids)}"
             )
             return False
-        v = judge(self.oracle, ref.prompt_ids, got.ids, got.text, ref, self.rows, gated=self.gated)
+        v = judge(self.oracle, ref.prompt_ids, got.ids, got.text, ref, rows, gated=self.gated)
         if v.identical:
             if got.finish_reason != ref.finish_reason:
                 res.fail(f"{label}: finish {got.finish_reason!r}, kern run {ref.finish_reason!r}")
@@ -194,6 +199,7 @@ class TargetGate:
             ("hang-up", self.hang_up),
             ("park + wake", self.park_and_wake),
             ("slot growth", self.slot_growth),
+            ("rows", self.rows_round),
             ("idle", self.idle),
         ]
         results = []
@@ -437,6 +443,47 @@ class TargetGate:
             res.fail(f"the pool started with {start:.0f} slots, not 2")
         if held <= 2 or total < held:
             res.fail("the slots did not grow past two while twelve requests ran")
+
+    def rows_round(self, res: Result) -> None:
+        """A speculative target (widest rows > 1): the server above verified drafts; its cold
+        answers (at the widest rows) also equal `kern run` at rows 1; and a second server at
+        ``--rows 1`` answers the twelve as `kern run` does at rows 1 and at the widest, and as
+        the first server did."""
+        if self.rows == 1:
+            res.status = "n/a"
+            res.notes.append("rows [1]: no speculative shape")
+            return
+        m = self.client.metrics()
+        drafted = m.get("kern_spec_decode_num_draft_tokens_total", 0)
+        accepted = m.get("kern_spec_decode_num_accepted_tokens_total", 0)
+        res.notes.append(
+            f"rows {self.rows}: {accepted:.0f} of {drafted:.0f} draft tokens accepted "
+            f"({accepted / max(drafted, 1):.0%}) over every scenario above"
+        )
+        if drafted == 0:
+            res.fail(f"the server at rows {self.rows} verified no draft")
+        refs1 = [self.oracle.answer(req.prompt, STEPS, 1, chat=req.chat) for req in self.prompts]
+        for i, (got, ref1) in enumerate(zip(self.cold, refs1, strict=True)):
+            self.check(res, f"prompt {i} at rows {self.rows} vs kern run rows 1", got, ref1, 1)
+        o = self.oracle
+        log = o.work_dir / "serve-rows1.log"
+        with ServerProcess(
+            o.kern, o.config, self.target.name, log, start_limit=o.timeout, extra=("--rows", "1")
+        ) as server:
+            client = Client(server.port, self.target.name, timeout=o.timeout)
+            key = "kern_spec_decode_num_draft_tokens_total"
+            before = client.metrics().get(key, 0)
+            for i, req in enumerate(self.prompts):
+                got = client.generate(req)
+                if self.check(res, f"prompt {i} at rows 1", got, refs1[i], 1):
+                    label = f"prompt {i} at rows 1 vs kern run rows {self.rows}"
+                    self.check(res, label, got, self.refs[i])
+                    if i not in self.excused_cold:
+                        self.same(res, f"prompt {i} rows 1 vs rows {self.rows}", got, self.cold[i])
+            if client.metrics().get(key, 0) != before:
+                res.fail("the server at --rows 1 verified drafts")
+            if server.stop() != 0:
+                res.fail("kern serve --rows 1 did not exit 0 on SIGTERM")
 
     def idle(self, res: Result) -> None:
         self._no_leak(res, self.start, self.client.idle_metrics())

@@ -17,6 +17,10 @@ Design notes
   capped by ``concurrency``, as ``vllm bench serve --request-rate --max-concurrency``.
 * Prompts are token ids drawn from a seeded generator, with a shared prefix for every prompt
   (``--shared-prefix``), so the cached-token ratio measures the prefix cache too.
+* The draft acceptance rate of a level (a server at ``--rows`` > 1) is the change of the
+  server's ``kern_spec_decode_num_accepted_tokens_total`` over that of
+  ``kern_spec_decode_num_draft_tokens_total`` across the level, read from ``/metrics`` before
+  and after it ("-" when nothing was drafted).
 * ``--baseline-model DIR`` also runs, before the load, the scheduler in this process on the
   same prompts with no HTTP (``scheduler tok/s``: prefill and scheduling included), and
   times ``Runner.forward`` decoding a batch of ``concurrency``
@@ -213,6 +217,7 @@ async def _bench(
                 arrivals.append(t)
                 if args.request_rate != float("inf"):
                     t += gaps.expovariate(args.request_rate)
+            before = await _spec_counts(client)
             t0 = time.perf_counter()
 
             async def one(prompt: list[int], at: float, sem=sem, bar=bar, t0=t0) -> _Result:
@@ -229,8 +234,35 @@ async def _bench(
             )
             wall = time.perf_counter() - t0
             bar.close()
-            rows.append(_row(level, results, wall))
+            row = _row(level, results, wall)
+            after = await _spec_counts(client)
+            drafted, accepted = (a - b for a, b in zip(after, before, strict=True))
+            row["draft_tokens"] = drafted
+            row["accepted_tokens"] = accepted
+            row["acceptance"] = accepted / drafted if drafted else None
+            rows.append(row)
     return rows
+
+
+async def _spec_counts(client) -> tuple[float, float]:
+    """The server's speculative counters now (draft tokens, accepted ones), from /metrics:
+    their change over a level is its acceptance rate (0, 0 from a server without them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = await client.get("/metrics")
+    r.raise_for_status()
+    totals = dict.fromkeys(_SPEC_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals[_SPEC_COUNTERS[0]], totals[_SPEC_COUNTERS[1]]
+
+
+_SPEC_COUNTERS = (
+    "kern_spec_decode_num_draft_tokens_total",
+    "kern_spec_decode_num_accepted_tokens_total",
+)
 
 
 async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Result:
@@ -456,6 +488,8 @@ def _print_block(row: dict) -> None:
         ("Request throughput (req/s):", f"{row['req_s']:.2f}"),
         ("Output token throughput (tok/s):", f"{row['output_tok_s']:.2f}"),
         ("Prompt tokens from the cache:", f"{row['cached_ratio']:.2%}"),
+        ("Draft tokens (accepted):", f"{row['draft_tokens']:.0f} ({row['accepted_tokens']:.0f})"),
+        ("Draft acceptance rate:", _fmt("{:.2%}", row["acceptance"])),
     ]
     for label, value in lines:
         print(f"{label:<40}{value:>10}")
@@ -487,6 +521,7 @@ def _print_table(rows: list[dict]) -> None:
         ("p99_itl_ms", "ITL p99 ms", "{:.2f}"),
         ("median_e2el_ms", "E2EL p50 ms", "{:.1f}"),
         ("cached_ratio", "cached", "{:.2f}"),
+        ("acceptance", "accept", "{:.2f}"),
     ]
     if rows and "runner_tok_s" in rows[0]:
         cols += [

@@ -1,0 +1,202 @@
+"""Decode tokens/s at rows 1 against rows R (n-gram drafts), through the server's scheduler in
+this process: ``python -m kern.bench.spec``.
+
+Design notes
+------------
+* The path measured is the server's: :class:`kern.scheduler.Scheduler` over an engine
+  (:class:`kern.engine.Engine`), stepped on this thread, no HTTP. One request at a time,
+  greedy, ``ignore_eos``; decode time runs from its first token to its last, so prefill is
+  not in it. Each prompt is run at rows 1 and at rows R in the same process, alternating,
+  best of ``--repeat``; the ratio is of the summed decode times.
+* Answers that repeat themselves: an n-gram drafter can only propose what the context already
+  holds, so its acceptance depends on the answer. Random-weight checkpoints fall into loops,
+  some within a few dozen tokens, some after a few hundred, some not at all. So the bench
+  draws seeded random prompts, decodes each ``--probe`` tokens at rows 1, and where the answer
+  has fallen into a loop (32 tokens in a row with at most 4 distinct ids) takes the prompt
+  and the answer up to there as a measured prompt: its continuation is the loop. It takes
+  the first ``--prompts`` it finds, says how many it tried, and prints every prompt's
+  acceptance, so the speed-up is read against it.
+* The answers at rows 1 and rows R are compared: a mismatch is an error (identity is what
+  makes the drafts free to be wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kern.bench.forward import MODEL_100M
+
+__all__ = ["main"]
+
+
+def _engine(checkpoint: Path, rows: int, threads: int):
+    from kern.engine import Engine
+    from kern.toml_config import Target
+
+    target = Target(
+        name="bench",
+        checkpoint=checkpoint,
+        pool_bytes=256 * 2**20,
+        rows=tuple(sorted({1, rows})),
+        threads=threads,
+    )
+    return Engine.load(target)
+
+
+class _Driver:
+    """A scheduler at some rows over the engine, stepped here; one request at a time."""
+
+    def __init__(self, engine, rows: int) -> None:
+        from kern.scheduler import Request
+
+        self.Request = Request
+        self.done: dict[int, list[float]] = {}
+        self.ids: dict[int, list[int]] = {}
+        self.sched = engine.scheduler(self._deliver, rows=rows)
+
+    def _deliver(self, events) -> None:
+        now = time.perf_counter()
+        for req, (tok, _, reason) in events:
+            key = id(req)
+            if tok is not None:
+                self.ids.setdefault(key, []).append(tok)
+                self.done.setdefault(key, [now, now])[1] = now
+            if reason is not None:
+                self.finished = True
+
+    def run(self, prompt: list[int], steps: int) -> tuple[list[int], float, float, float]:
+        """The answer, its decode seconds (first token to last), drafts verified and
+        accepted."""
+        m = self.sched.metrics
+        drafted0 = m.value("kern_spec_decode_num_draft_tokens_total")
+        accepted0 = m.value("kern_spec_decode_num_accepted_tokens_total")
+        req = self.Request(list(prompt), steps, ignore_eos=True)
+        self.finished = False
+        self.sched.submit(req)
+        while not self.finished:
+            self.sched.step()
+        first, last = self.done.pop(id(req))
+        ids = self.ids.pop(id(req))
+        drafted = m.value("kern_spec_decode_num_draft_tokens_total") - drafted0
+        accepted = m.value("kern_spec_decode_num_accepted_tokens_total") - accepted0
+        return ids, last - first, drafted, accepted
+
+
+def _loop_start(ids: list[int], window: int = 32, distinct: int = 4) -> int | None:
+    """Where ``ids`` falls into a loop: the first ``window`` tokens in a row with at most
+    ``distinct`` ids (None: it does not)."""
+    for i in range(len(ids) - window + 1):
+        if len(set(ids[i : i + window])) <= distinct:
+            return i
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m kern.bench.spec", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--rows", type=int, default=5, help="the speculative rows (default 5)")
+    p.add_argument("--steps", type=int, default=128, help="tokens per answer (default 128)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts measured (default 4)")
+    p.add_argument(
+        "--probe", type=int, default=256, help="tokens of a candidate's answer searched for a loop"
+    )
+    p.add_argument("--tries", type=int, default=24, help="candidate prompts at most")
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument(
+        "--prompt-vocab",
+        type=int,
+        default=256,
+        help="prompt ids are drawn from [1, this) (default 256: byte tokens, in every kern "
+        "tokenizer)",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="best of this many runs per prompt")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a checkpoint folder (default: a ~88M qwen3 made with make-tiny, seed 0)",
+    )
+    args = p.parse_args(argv)
+    if args.rows < 2:
+        p.error("--rows must be at least 2")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from kern.tiny import make_tiny
+
+            model = Path(tmp) / "qwen3-100m"
+            make_tiny("qwen3", model, seed=0, **MODEL_100M)
+        engine = _engine(model, args.rows, args.threads)
+        vocab = min(args.prompt_vocab, engine.checkpoint.config.vocab_size)
+        one = _Driver(engine, 1)
+        wide = _Driver(engine, args.rows)
+        rng = random.Random(args.seed)
+        chosen: list[list[int]] = []
+        tried = 0
+        while len(chosen) < args.prompts and tried < args.tries:
+            tried += 1
+            prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_tokens)]
+            ids, *_ = one.run(prompt, args.probe)
+            at = _loop_start(ids)
+            if at is not None:
+                chosen.append(prompt + ids[: at + 32])
+        load = os.getloadavg()[0]
+        print(
+            f"kern.bench.spec: {model.name if args.model else 'qwen3 ~88M (make-tiny, seed 0)'}"
+            f", torch {torch.__version__}, {args.threads} threads, {args.steps} tokens per "
+            f"answer, rows 1 vs rows {args.rows} (n-gram drafts), best of {args.repeat}; "
+            f"{len(chosen)} of {tried} prompts have answers that fall into a loop within "
+            f"{args.probe} tokens (measured from there); load average {load:.2f} on "
+            f"{os.cpu_count()} CPUs"
+        )
+        if not chosen:
+            print("no prompt with a repeating answer: nothing to measure")
+            return 1
+        head = f"| prompt | rows 1 tok/s | rows {args.rows} tok/s | speed-up | acceptance |"
+        print(head)
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        total = {1: 0.0, args.rows: 0.0}
+        all_drafted = all_accepted = 0.0
+        for i, prompt in enumerate(chosen):
+            best = {1: float("inf"), args.rows: float("inf")}
+            answers = {}
+            drafted = accepted = 0.0
+            for _ in range(args.repeat):
+                for rows, driver in ((1, one), (args.rows, wide)):
+                    ids, secs, d, a = driver.run(prompt, args.steps)
+                    answers[rows] = ids
+                    best[rows] = min(best[rows], secs)
+                    if rows > 1:
+                        drafted, accepted = d, a
+            if answers[1] != answers[args.rows]:
+                raise SystemExit(f"prompt {i}: the answer at rows {args.rows} differs from rows 1")
+            n = args.steps - 1
+            for rows in best:
+                total[rows] += best[rows]
+            all_drafted += drafted
+            all_accepted += accepted
+            print(
+                f"| {i} | {n / best[1]:.1f} | {n / best[args.rows]:.1f} | "
+                f"{best[1] / best[args.rows]:.2f}x | {accepted / max(drafted, 1):.0%} |"
+            )
+        n = (args.steps - 1) * len(chosen)
+        print(
+            f"| all | {n / total[1]:.1f} | {n / total[args.rows]:.1f} | "
+            f"{total[1] / total[args.rows]:.2f}x | {all_accepted / max(all_drafted, 1):.0%} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
