@@ -246,9 +246,13 @@ def _process(
     assert x.shape[0] == n
     grammars = [(k, c.grammar) for k, c in enumerate(contexts) if c.grammar is not None]
     if grammars:
-        from kern.structured import apply_all
+        from kern.structured import Matcher, apply_all
 
-        apply_all(x, grammars)
+        # kern's matchers fill one bitmask for the step; any other masks its own row.
+        apply_all(x, [(k, g) for k, g in grammars if isinstance(g, Matcher)])
+        for k, g in grammars:
+            if not isinstance(g, Matcher):
+                g.apply(x[k : k + 1])
     return x
 
 
