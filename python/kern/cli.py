@@ -281,7 +281,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--rows {rows}: target {target_name!r} declares rows {list(target.rows)}")
     sampling = _sampling(args)
 
-    ckpt = _load(target)
+    ranks = None
+    if target.ranks > 1:
+        from kern.ranks import load_for_run
+
+        ranks, ckpt = load_for_run(target)
+    else:
+        ckpt = _load(target)
     from kern.generate import generate
 
     tok = ckpt.tokenizer
@@ -305,10 +311,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.probe_dir is not None:
         probe_steps = args.probe_steps if args.probe_steps is not None else list(range(args.steps))
 
+    runner = None
+    if ranks is not None:
+        total = len(prompt_ids) + args.steps + rows  # as generate sizes its own pages
+        runner = ranks.runner_with_pages(ckpt, -(-total // target.page_tokens))
     result = generate(
         ckpt,
         prompt_ids,
         args.steps,
+        runner=runner,
         rows=rows,
         sampling=sampling,
         probe_steps=probe_steps,
@@ -317,6 +328,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         threads=target.threads,
         device=target.device,
     )
+    if ranks is not None:
+        ranks.close()
     ids = list(result.ids)
     finish = "length"
     if not args.ignore_eos:
@@ -353,6 +366,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "finish_reason": finish,
         "prompt_ids": prompt_ids,
         "threads": target.threads,
+        "ranks": target.ranks,
+        "parallel": target.parallel if target.ranks > 1 else None,
         "rows": rows,
         "steps": args.steps,
         "model": str(target.checkpoint),
@@ -370,6 +385,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         how = "greedy" if sampling is None else "sampled"
         print(
             f"[kern run] {len(ids)} tokens ({finish}), {how}, threads={target.threads}, "
+            f"ranks={target.ranks}{'/' + target.parallel if target.ranks > 1 else ''}, "
             f"rows={rows}, {target.device}/{target.dtype}, {target.checkpoint}",
             file=sys.stderr,
         )
@@ -487,6 +503,11 @@ def _add_test(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_test(args: argparse.Namespace) -> int:
     target, target_name = _resolve_target(args)
+    if target.ranks > 1:
+        raise UsageError(
+            f"{target.where('ranks')}: ranks = {target.ranks}: kern test checks one rank's "
+            "backend; run it on a target with ranks = 1 (kern run and kern serve take ranks)"
+        )
     ckpt = _load(target)
     from kern.generate import generate
     from kern.sampler import SamplingParams

@@ -188,9 +188,10 @@ def _summary(target, family: str, engine, app, sock: socket.socket) -> str:
     mib = 2**20
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
+    ranks = f", {target.ranks} ranks ({target.parallel}), per rank:" if target.ranks > 1 else ""
     return (
         f"kern {__version__} serving {target.name!r}: {family} from {target.checkpoint} on "
-        f"{target.device}/{target.dtype}, threads {target.threads}; KV pool "
+        f"{target.device}/{target.dtype}, threads {target.threads}{ranks}; KV pool "
         f"{app.scheduler.max_pages} pages x {target.page_tokens} tokens, "
         f"{stats.slot_capacity} state slots ({device_arena / mib:.1f} MiB); host tier "
         f"{stats.host_pages_free} pages ({host_arena / mib:.1f} MiB); "

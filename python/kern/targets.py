@@ -8,11 +8,12 @@ Design notes
   (``--threads``; ``kern serve`` also ``--dtype``, ``--device``, ``--pool-bytes``,
   ``--host-bytes``, ``--page-tokens``) override the file's value. Every key remembers what set
   it (``Target.origin``), so an error names the file and key, or the flag.
-* A key kern does not implement for the command is refused, never ignored: ``ranks`` other than
-  1 anywhere; a draft checkpoint anywhere (``draft = "ngram"`` names the drafter ``kern run``
-  and ``kern test`` use at rows > 1); and, when serving, ``rows`` other than [1] and any
-  ``draft``, since the scheduler decodes one row per step. ``kern run --rows`` and a kern.toml
-  ``rows`` stay valid for ``kern run`` and ``kern test``: they verify rows offline.
+* A key kern does not implement for the command is refused, never ignored: ``ranks`` above 1
+  for a model ``parallel`` does not split (kern.shard) or on too few CUDA devices; a draft
+  checkpoint anywhere (``draft = "ngram"`` names the drafter ``kern run`` and ``kern test``
+  use at rows > 1); and, when serving, ``rows`` other than [1] and any ``draft``, since the
+  scheduler decodes one row per step. ``kern run --rows`` and a kern.toml ``rows`` stay
+  valid for ``kern run`` and ``kern test``: they verify rows offline.
 * Everything that needs no weights is checked here, before anything loads or binds: the
   backend's dtype, a CUDA device, and the checkpoint's ``config.json`` (its family is known
   for the start-up line, and an unknown ``model_type`` is one line, not a traceback).
@@ -104,10 +105,7 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     config. Raises :class:`UsageError` naming the key's file or flag, and
     ``CheckpointError`` for a missing or unreadable checkpoint."""
     if target.ranks != 1:
-        raise UsageError(
-            f"{target.where('ranks')}: ranks = {target.ranks}: kern runs one rank "
-            "(several ranks are not implemented yet)"
-        )
+        _check_ranks(target)
     if target.draft is not None:
         why = None
         if serving:
@@ -139,4 +137,29 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
             )
     if not target.checkpoint.is_dir():
         raise MissingFileError(f"{target.checkpoint}: no such checkpoint folder")
-    return load_config(target.checkpoint)
+    config = load_config(target.checkpoint)
+    if target.ranks != 1:
+        from kern.shard import Shard, ShardError
+
+        try:
+            Shard(0, target.ranks, target.parallel).check(config)
+        except ShardError as e:
+            raise UsageError(f"{target.where('ranks')}: {e}") from None
+    return config
+
+
+def _check_ranks(target: Target) -> None:
+    """Where several ranks run: rank r on cuda:r, or all on the CPU (see kern.ranks)."""
+    if target.device.startswith("cuda"):
+        import torch
+
+        if target.device != "cuda":
+            raise UsageError(
+                f"{target.where('device')}: with ranks = {target.ranks}, device is 'cuda' "
+                "(rank r runs on cuda:r)"
+            )
+        if torch.cuda.device_count() < target.ranks:
+            raise UsageError(
+                f"{target.where('ranks')}: ranks = {target.ranks} needs as many CUDA devices; "
+                f"torch sees {torch.cuda.device_count()}"
+            )
