@@ -173,6 +173,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"torch intra-op threads (default: the target's, else {DEFAULT_THREADS})",
     )
+    p.add_argument(
+        "--ranks",
+        type=_positive_int,
+        metavar="N",
+        help="processes that split the model (default: the target's, else 1; see docs/serve.md)",
+    )
 
 
 def _resolve_target(args: argparse.Namespace) -> tuple[Target, str | None]:
@@ -184,7 +190,7 @@ def _resolve_target(args: argparse.Namespace) -> tuple[Target, str | None]:
         config=args.config,
         target=args.target,
         model=args.model,
-        overrides={"threads": args.threads},
+        overrides={"threads": args.threads, "ranks": args.ranks},
     )
     check_target(target, serving=False)
     return target, name

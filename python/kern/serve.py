@@ -86,6 +86,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--threads", type=_positive_int, metavar="N", help=f"default {DEFAULT_THREADS}"
     )
     keys.add_argument(
+        "--ranks",
+        type=_positive_int,
+        metavar="N",
+        help="processes that split the model, tp unless the target says (default 1)",
+    )
+    keys.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         help="split chat answers' <think>...</think> into reasoning_content (default: off)",

@@ -5,7 +5,7 @@ Design notes
 ------------
 * A target comes from a kern.toml (``--config FILE --target NAME``), from a checkpoint folder
   (``--model DIR``), or is the embedded tiny model. Flags that map one to one to kern.toml keys
-  (``--threads``; ``kern serve`` also ``--dtype``, ``--device``, ``--pool-bytes``,
+  (``--threads``, ``--ranks``; ``kern serve`` also ``--dtype``, ``--device``, ``--pool-bytes``,
   ``--host-bytes``, ``--page-tokens``) override the file's value. Every key remembers what set
   it (``Target.origin``), so an error names the file and key, or the flag.
 * A key kern does not implement for the command is refused, never ignored: ``ranks`` above 1
@@ -39,6 +39,7 @@ FLAGS = {
     "host_bytes": "--host-bytes",
     "page_tokens": "--page-tokens",
     "threads": "--threads",
+    "ranks": "--ranks",
     "reasoning_parser": "--reasoning-parser",
 }
 
