@@ -349,3 +349,34 @@ def test_a_stopped_rank_ends_the_server_within_the_bound(toml, tmp_path):
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
     finally:
         server.close()
+
+
+def test_two_nodes_on_loopback_join_through_the_environment(toml, tmp_path):
+    """Rank 0 as one "node" (it starts no rank itself: KERN_LOCAL_RANKS=1) and rank 1 as
+    another, started apart in a session of its own, joined by MASTER_ADDR / MASTER_PORT:
+    the answer is the one kern run gives when it starts both ranks itself."""
+    port = _free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env.pop("KERN_LOCAL_RANKS", None)
+    node0 = subprocess.Popen(
+        [sys.executable, "-m", "kern.cli", "run", "--config", str(toml), "--target", "tp",
+         "--prompt", PROMPTS[1], "--steps", "12", "--ignore-eos", "--json"],
+        env={**env, "KERN_LOCAL_RANKS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "kern.ranks"],
+        env={**env, "RANK": "1", "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = node0.communicate(timeout=120)
+        assert node0.returncode == 0, err
+        _, err1 = node1.communicate(timeout=30)
+        assert node1.returncode == 0, err1
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert json.loads(out)["ids"] == run_ids(toml, "tp", PROMPTS[1], 12)

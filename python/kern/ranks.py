@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -56,12 +57,13 @@ import torch.distributed as dist
 from kern.arena import Geometry
 from kern.backend import make_ops
 from kern.checkpoint import Checkpoint
+from kern.errors import UsageError
 from kern.layout import Layout
 from kern.runner import Runner
 from kern.shard import Comm, Shard, load_shard, shard_model
 from kern.toml_config import Target
 
-__all__ = ["BEAT_S", "EXIT_CODE", "HANG_S", "RankedRunner", "Ranks"]
+__all__ = ["BEAT_S", "EXIT_CODE", "HANG_S", "RankedRunner", "Ranks", "rendezvous"]
 
 BEAT_S = 0.5  # a rank's heartbeat period, and the watchdog's polling period
 HANG_S = 10.0  # a rank whose heartbeat has not moved for this long is hung
@@ -87,6 +89,25 @@ class _Plan:
         return cls(bytes(p.src_pages), bytes(p.dst_pages), bytes(p.src_states), bytes(p.dst_states))
 
 
+def rendezvous(num_ranks: int) -> tuple[str, int, int]:
+    """Where rank 0 serves the store, and how many ranks start on its machine, from the
+    environment (torch.distributed's names where it has them):
+
+    - ``MASTER_ADDR`` / ``MASTER_PORT``: the address and port of rank 0's store (default
+      127.0.0.1 and a free port: every rank on this machine);
+    - ``KERN_LOCAL_RANKS``: ranks 0 .. n-1 run on this machine, started by kern (default all
+      of them); ranks n .. N-1 are started on the other machines, each with
+      ``python -m kern.ranks`` (``--store``, ``--rank``, ``--ranks``, ``--local-rank``, or
+      ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
+    """
+    host = os.environ.get("MASTER_ADDR") or _LOCAL
+    port = int(os.environ.get("MASTER_PORT") or 0)
+    num_local = int(os.environ.get("KERN_LOCAL_RANKS") or num_ranks)
+    if not 1 <= num_local <= num_ranks:
+        raise UsageError(f"KERN_LOCAL_RANKS={num_local}: must be in 1 .. ranks ({num_ranks})")
+    return host, port, num_local
+
+
 def _device(device: str, local_rank: int) -> torch.device:
     if device.startswith("cuda"):
         return torch.device("cuda", local_rank)
@@ -109,22 +130,26 @@ class Ranks:
 
     @classmethod
     def start(cls, target: Target) -> Ranks:
-        """Start ranks 1 .. N-1 on this machine, join them and start the watchdog."""
+        """Serve the store, start this machine's other ranks, join them all and start the
+        watchdog. Several machines: see :func:`rendezvous`."""
         self = cls(target)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        host, port, num_local = rendezvous(target.ranks)
+        if host == _LOCAL:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.store = dist.TCPStore(
-            _LOCAL, 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
+            host, port, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
         )
         port = self.store.port
-        for rank in range(1, self.num_ranks):
-            cmd = [sys.executable, "-m", "kern.ranks", "--store", f"{_LOCAL}:{port}"]
+        self.store.set("kern/target", pickle.dumps(target))
+        for rank in range(1, num_local):
+            cmd = [sys.executable, "-m", "kern.ranks", "--store", f"{host}:{port}"]
             cmd += ["--rank", str(rank), "--ranks", str(self.num_ranks), "--local-rank", str(rank)]
             cmd += ["--parent", str(os.getpid())]
-            env = {**os.environ, "KERN_RANKS_DEVICE": target.device}
-            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
-        threading.Thread(
-            target=self._watch, args=(port,), name="kern-watchdog", daemon=True
-        ).start()
+            self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        watchdog = threading.Thread(
+            target=self._watch, args=(host, port), name="kern-watchdog", daemon=True
+        )
+        watchdog.start()
         self._join()
         return self
 
@@ -144,7 +169,6 @@ class Ranks:
         )
         self.control = dist.new_group(backend="gloo", timeout=_PG_TIMEOUT)
         self.comm = Comm(None, self.num_ranks)
-        self._send({"target": t})
 
     def _send(self, msg: Any) -> None:
         with self.guard():
@@ -194,34 +218,27 @@ class Ranks:
         rank that failed (it then ends the process) before the error goes on."""
         return _Guard(self)
 
-    def _watch(self, port: int) -> None:
+    def _watch(self, host: str, port: int) -> None:
         try:
-            store = dist.TCPStore(_LOCAL, port, is_master=False, timeout=_STORE_TIMEOUT)
+            store = dist.TCPStore(host, port, is_master=False, timeout=_STORE_TIMEOUT)
             started = time.monotonic()
-            seen: dict[int, tuple[int, float]] = {r: (0, started) for r in self.procs}
+            seen = {r: (0, started) for r in range(1, self.num_ranks)}
             while not self.closing:
                 for rank, proc in self.procs.items():
                     code = proc.poll()
                     if code is not None and not self.closing:
-                        how = (
-                            f"was killed by signal {-code}"
-                            if code < 0
-                            else f"exited with code {code}"
-                        )
-                        self.fail(rank, f"(pid {proc.pid}) {how}")
+                        how = f"exited with code {code}"
+                        if code < 0:
+                            how = f"was killed by signal {-code}"
+                        self.fail(rank, how)
                 now = time.monotonic()
-                for rank in seen:
+                for rank, (last, since) in seen.items():
                     count = int(store.add(f"kern/beat/{rank}", 0))
-                    last, since = seen[rank]
                     if count != last:
                         seen[rank] = (count, now)
                     elif now - since > (HANG_S if count else START_S) and not self.closing:
                         what = "stopped responding" if count else "did not start"
-                        self.fail(
-                            rank,
-                            f"(pid {self.procs[rank].pid}) {what}: no heartbeat "
-                            f"for {now - since:.1f} s",
-                        )
+                        self.fail(rank, f"{what}: no heartbeat for {now - since:.1f} s")
                 time.sleep(BEAT_S)
         except BaseException as e:  # noqa: BLE001 - a watchdog that dies must end the server
             if not self.closing:
@@ -232,8 +249,10 @@ class Ranks:
         if self._failed.is_set():
             return
         self._failed.set()
+        proc = self.procs.get(rank)
+        pid = f" (pid {proc.pid})" if proc is not None else ""
         print(
-            f"kern: rank {rank} of {self.num_ranks} {why}; ending all ranks "
+            f"kern: rank {rank} of {self.num_ranks}{pid} {why}; ending all ranks "
             f"(exit code {EXIT_CODE})",
             file=sys.stderr,
             flush=True,
@@ -370,17 +389,17 @@ def worker(host: str, port: int, rank: int, num_ranks: int, local_rank: int) -> 
     threading.Thread(
         target=_heartbeat, args=(host, port, rank), name="kern-heartbeat", daemon=True
     ).start()
-    store = dist.TCPStore(host, port, is_master=False, timeout=_STORE_TIMEOUT)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=START_S))
 
     def receive() -> Any:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=control)
         return box[0]
 
-    target: Target | None = None
-    # The device and backend follow rank 0's target, which comes after the join: CUDA ranks
-    # are told by the environment (KERN_RANKS_DEVICE, set by rank 0 for its children).
-    device = _device(os.environ.get("KERN_RANKS_DEVICE", "cpu"), local_rank)
+    # Rank 0 puts its target in the store before it starts anyone: the device, the backend
+    # and the shard follow from it.
+    target: Target = pickle.loads(store.get("kern/target"))
+    device = _device(target.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -391,7 +410,6 @@ def worker(host: str, port: int, rank: int, num_ranks: int, local_rank: int) -> 
         timeout=_PG_TIMEOUT,
     )
     control = dist.new_group(backend="gloo", timeout=_PG_TIMEOUT)
-    target = receive()["target"]
     torch.set_num_threads(target.threads)
     shard = Shard(rank, num_ranks, target.parallel)
     ckpt = load_shard(target.checkpoint, shard, device=device, dtype=target.dtype)
@@ -409,11 +427,35 @@ def worker(host: str, port: int, rank: int, num_ranks: int, local_rank: int) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kern.ranks", description=worker.__doc__)
-    p.add_argument("--store", required=True, metavar="HOST:PORT", help="rank 0's TCPStore")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--ranks", type=int, required=True)
-    p.add_argument("--local-rank", type=int, default=0, help="the device index on this machine")
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog="python -m kern.ranks",
+        description="One rank of a target with ranks > 1, joining rank 0's store (kern starts "
+        "the ranks of rank 0's machine itself; start the others' with this).",
+    )
+    store = f"{env('MASTER_ADDR')}:{env('MASTER_PORT')}" if env("MASTER_ADDR") else None
+    p.add_argument(
+        "--store",
+        default=store,
+        required=store is None,
+        metavar="HOST:PORT",
+        help="rank 0's store (default MASTER_ADDR:MASTER_PORT)",
+    )
+    for flag, var in (("--rank", "RANK"), ("--ranks", "WORLD_SIZE")):
+        given = env(var)
+        p.add_argument(
+            flag,
+            type=int,
+            default=None if given is None else int(given),
+            required=given is None,
+            help=f"default ${var}",
+        )
+    p.add_argument(
+        "--local-rank",
+        type=int,
+        default=int(env("LOCAL_RANK") or 0),
+        help="this rank's CUDA device on its machine (default $LOCAL_RANK, else 0)",
+    )
     p.add_argument("--parent", type=int, help="rank 0's pid, when it started this process")
     args = p.parse_args(argv)
     if args.parent is not None:
