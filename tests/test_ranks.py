@@ -8,6 +8,7 @@ Every rank runs one thread (this machine has two cores for all of them).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from kern.ranks import BEAT_S, EXIT_CODE, HANG_S
 from kern.shard import Shard, ShardError, load_shard
@@ -37,6 +39,8 @@ def toml(tmp_path_factory, tiny_dir) -> Path:
         f'pool_bytes = "4MiB"\n'
         f'[targets.ep]\ncheckpoint = "{moe}"\nranks = 2\nparallel = "ep"\nthreads = 1\n'
         f'pool_bytes = "4MiB"\n'
+        f'[targets.hybrid]\ncheckpoint = "{tiny_dir("qwen3_5")}"\nranks = 2\nthreads = 1\n'
+        f'pool_bytes = "1MiB"\n'
         f'[targets.one]\ncheckpoint = "{qwen3}"\nthreads = 1\n'
         f'[targets.ep_dense]\ncheckpoint = "{qwen3}"\nranks = 2\nparallel = "ep"\n'
         f'[targets.three]\ncheckpoint = "{qwen3}"\nranks = 3\n'
@@ -100,6 +104,22 @@ def test_each_rank_reads_only_its_slices(tiny, tiny_dir):
     assert c.intermediate_size * 2 == full.config.intermediate_size
 
 
+def test_deltanet_layers_split_by_heads(tiny, tiny_dir):
+    full = tiny("qwen3_5")
+    c = full.config
+    parts = [load_shard(tiny_dir("qwen3_5"), Shard(r, 2, "tp")) for r in range(2)]
+    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+    sizes = (key_dim, key_dim, c.linear_num_value_heads * c.linear_value_head_dim)
+    for name in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
+        name = next(n for n in full.tensors if n.endswith(name))
+        whole = full.tensors[name].split(sizes)  # q, k, v
+        halves = [p.tensors[name].split([s // 2 for s in sizes]) for p in parts]
+        for j in range(3):
+            assert (torch.cat([halves[0][j], halves[1][j]]) == whole[j]).all(), (name, j)
+    assert parts[0].config.linear_num_value_heads * 2 == c.linear_num_value_heads
+    assert parts[1].config.linear_num_key_heads * 2 == c.linear_num_key_heads
+
+
 def test_expert_parallel_ranks_hold_disjoint_experts(tiny, tiny_dir):
     full = tiny("qwen3_moe")
     parts = [load_shard(tiny_dir("qwen3_moe"), Shard(r, 2, "ep")) for r in range(2)]
@@ -117,8 +137,17 @@ def test_what_does_not_split_is_refused_by_name(tiny):
         Shard(0, 3, "tp").check(c)
     with pytest.raises(ShardError, match="'ep' is implemented for qwen3_moe, not qwen3"):
         Shard(0, 2, "ep").check(c)
-    with pytest.raises(ShardError, match="implemented for qwen3, qwen3_moe, not qwen3_5"):
-        Shard(0, 2, "tp").check(tiny("qwen3_5").config)
+    with pytest.raises(ShardError, match="'ep' is implemented for qwen3_moe, not qwen3_5"):
+        Shard(0, 2, "ep").check(tiny("qwen3_5").config)
+    with pytest.raises(ShardError, match=r"does not divide the model's linear_num_key_heads \(2\)"):
+        Shard(0, 4, "tp").check(
+            dataclasses.replace(
+                tiny("qwen3_5").config,
+                num_key_value_heads=4,
+                num_attention_heads=4,
+                intermediate_size=128,
+            )
+        )
 
 
 def test_config_keys(tmp_path, toml):
@@ -259,7 +288,7 @@ def _children(parent: int, needle: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("target", ["tp", "ep"])
+@pytest.mark.parametrize("target", ["tp", "ep", "hybrid"])
 def test_served_under_load_equals_kern_run_at_the_same_ranks(toml, tmp_path, target):
     steps = 24
     server = Server(toml, target, tmp_path / "serve.log")
@@ -275,6 +304,30 @@ def test_served_under_load_equals_kern_run_at_the_same_ranks(toml, tmp_path, tar
     assert again == served[0]
     for prompt, ids in zip(PROMPTS, served, strict=True):
         assert ids == run_ids(toml, target, prompt, steps), prompt
+
+
+def test_four_ranks_served_equal_kern_run_at_four(tmp_path_factory):
+    """4 ranks (expert parallel, attention split four ways): served at once == kern run."""
+    from kern.tiny import make_tiny
+
+    folder = tmp_path_factory.mktemp("four")
+    ckpt = make_tiny("qwen3_moe", folder / "moe", seed=1, kv_heads=4)
+    toml = folder / "kern.toml"
+    toml.write_text(
+        f'[targets.ep4]\ncheckpoint = "{ckpt}"\nranks = 4\nparallel = "ep"\nthreads = 1\n'
+        'pool_bytes = "4MiB"\n'
+    )
+    server = Server(toml, "ep4", folder / "serve.log")
+    try:
+        server.wait_ready()
+        assert len(server.rank_pids()) == 3
+        with ThreadPoolExecutor(2) as pool:
+            served = list(pool.map(lambda p: server.complete(p, 12), PROMPTS[:2]))
+    finally:
+        server.close()
+    assert server.proc.returncode == 0, server.output()
+    for prompt, ids in zip(PROMPTS[:2], served, strict=True):
+        assert ids == run_ids(toml, "ep4", prompt, 12), prompt
 
 
 # --- faults ------------------------------------------------------------------------------------

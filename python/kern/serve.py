@@ -194,7 +194,9 @@ def _summary(target, family: str, engine, app, sock: socket.socket) -> str:
     mib = 2**20
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
-    ranks = f", {target.ranks} ranks ({target.parallel}), per rank:" if target.ranks > 1 else ""
+    ranks = ""
+    if target.ranks > 1:
+        ranks = f", {target.ranks} ranks ({target.parallel}), budgets per rank"
     return (
         f"kern {__version__} serving {target.name!r}: {family} from {target.checkpoint} on "
         f"{target.device}/{target.dtype}, threads {target.threads}{ranks}; KV pool "

@@ -3,12 +3,15 @@ around it: the collectives that join the ranks' partial results.
 
 Design notes
 ------------
-* ``tp`` (tensor parallel; ``qwen3`` and ``qwen3_moe``): rank r of N holds attention heads
-  ``[r * H / N, (r + 1) * H / N)`` (q, k, v rows and the matching ``o_proj`` columns; the
-  KV heads likewise, so each rank's KV pages hold Hk / N heads) and MLP columns
+* ``tp`` (tensor parallel; ``qwen3``, ``qwen3_moe``, ``qwen3_5``): rank r of N holds
+  attention heads ``[r * H / N, (r + 1) * H / N)`` (q, k, v rows and the matching ``o_proj``
+  columns; the KV heads likewise, so each rank's KV pages hold Hk / N heads) and MLP columns
   ``[r * I / N, (r + 1) * I / N)`` (gate and up rows, ``down_proj`` columns); a
-  ``qwen3_moe`` expert's columns are split the same way. ``o_proj`` and ``down_proj`` then
-  give each rank a partial sum; one collective per mixer and one per MLP joins them.
+  ``qwen3_moe`` expert's columns are split the same way. ``qwen3_5``'s DeltaNet layers split
+  by key and value heads (q, k and v of ``in_proj_qkv`` and of the conv each by heads; z, a,
+  b, ``dt_bias`` and ``A_log`` by value heads; ``out_proj`` columns), so each rank's state
+  slots hold its own heads' states. ``o_proj``, ``out_proj`` and ``down_proj`` then give each
+  rank a partial sum; one collective per mixer and one per MLP joins them.
 * ``ep`` (expert parallel; ``qwen3_moe``): attention and any dense MLP as in ``tp``; rank r
   holds experts ``e`` with ``e % N == r``, whole. Every rank holds every token (attention
   leaves the hidden states the same on all ranks), so nothing is dispatched: each rank runs
@@ -52,7 +55,7 @@ from kern.tokenizer import Tokenizer
 __all__ = ["PARALLEL", "Comm", "Headless", "Shard", "ShardError", "load_shard", "shard_model"]
 
 # What each parallel mode splits, and the families it is implemented for.
-PARALLEL = {"tp": ("qwen3", "qwen3_moe"), "ep": ("qwen3_moe",)}
+PARALLEL = {"tp": ("qwen3", "qwen3_moe", "qwen3_5"), "ep": ("qwen3_moe",)}
 
 
 class ShardError(ValueError):
@@ -88,6 +91,9 @@ class Shard:
             sizes["moe_intermediate_size"] = c.moe_intermediate_size
         if c.num_experts and self.parallel == "ep":
             sizes["num_experts"] = c.num_experts
+        if c.linear_num_value_heads:
+            sizes["linear_num_key_heads"] = c.linear_num_key_heads
+            sizes["linear_num_value_heads"] = c.linear_num_value_heads
         for key, value in sizes.items():
             if value % n:
                 raise ShardError(f"ranks = {n} does not divide the model's {key} ({value})")
@@ -102,16 +108,18 @@ class Shard:
         }
         if self.parallel == "tp" and c.num_experts:
             changes["moe_intermediate_size"] = c.moe_intermediate_size // n
+        if c.linear_num_value_heads:
+            changes["linear_num_key_heads"] = c.linear_num_key_heads // n
+            changes["linear_num_value_heads"] = c.linear_num_value_heads // n
         return dataclasses.replace(c, **changes)
 
     def owns_expert(self, expert: int) -> bool:
         return self.parallel != "ep" or expert % self.num_ranks == self.rank
 
-    def part(
-        self, c: ModelConfig, name: str, shape: tuple[int, ...]
-    ) -> tuple[int, int, int] | None:
-        """The slice of tensor ``name`` this rank reads, as (dim, start, stop); None for the
-        whole tensor. Raises ``KeyError`` for a tensor it does not read at all."""
+    def part(self, c: ModelConfig, name: str, shape: tuple[int, ...]) -> list[Part] | None:
+        """The slices of tensor ``name`` this rank reads, each (dim, start, stop), to be
+        concatenated along that dim; None for the whole tensor. Raises ``KeyError`` for a
+        tensor it does not read at all."""
         n, r = self.num_ranks, self.rank
         if name == "lm_head.weight" and r != 0:
             raise KeyError(name)
@@ -123,23 +131,35 @@ class Shard:
             if self.parallel == "ep":
                 return None
         leaf = ".".join(parts[-2:])
-        if leaf in (
-            "q_proj.weight",
-            "q_proj.bias",
-            "k_proj.weight",
-            "k_proj.bias",
-            "v_proj.weight",
-            "v_proj.bias",
-            "gate_proj.weight",
-            "up_proj.weight",
-        ):
-            # Rows: whole heads (a q row block of a head is contiguous), or MLP columns.
+        if leaf in _ROWS or leaf in _LINEAR_ROWS:
+            # Rows: whole heads (a q row block of a head is contiguous, its gate included),
+            # MLP columns, or DeltaNet value heads (one row or value each).
             rows = shape[0] // n
-            return 0, r * rows, (r + 1) * rows
-        if leaf in ("o_proj.weight", "down_proj.weight"):
+            return [(0, r * rows, (r + 1) * rows)]
+        if leaf in ("in_proj_qkv.weight", "conv1d.weight"):
+            # q, k (key heads) then v (value heads), each split by heads.
+            key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+            value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+            out = []
+            for start, width in ((0, key_dim), (key_dim, key_dim), (2 * key_dim, value_dim)):
+                w = width // n
+                out.append((0, start + r * w, start + (r + 1) * w))
+            return out
+        if leaf in _COLUMNS:
             cols = shape[1] // n
-            return 1, r * cols, (r + 1) * cols
+            return [(1, r * cols, (r + 1) * cols)]
         return None
+
+
+# (dim, start, stop) of a stored tensor.
+Part = tuple[int, int, int]
+_ROWS = {
+    f"{proj}.{kind}"
+    for proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    for kind in ("weight", "bias")
+} | {"in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"}
+_LINEAR_ROWS = {"linear_attn.dt_bias", "linear_attn.A_log"}
+_COLUMNS = {"o_proj.weight", "down_proj.weight", "out_proj.weight"}
 
 
 def load_shard(
@@ -166,7 +186,7 @@ def load_shard(
     entries = _ckpt._index_tensors(path, full)
     _ckpt._validate(path, full, entries)
     tokenizer = Tokenizer.from_dir(path, extra_eos_token_ids=_ckpt._eos_token_ids(path, full))
-    wanted: dict[str, tuple[Any, tuple[int, int, int] | None]] = {}
+    wanted: dict[str, tuple[Any, list[Part] | None]] = {}
     for name, entry in entries.items():
         try:
             wanted[name] = (entry, shard.part(full, name, entry.shape))
@@ -193,10 +213,9 @@ def load_shard(
                     view = f.get_slice(entry.stored_name)
                     if part is None:
                         t = view[:]
-                    elif part[0] == 0:
-                        t = view[part[1] : part[2]]
                     else:
-                        t = view[:, part[1] : part[2]]
+                        pieces = [view[a:b] if dim == 0 else view[:, a:b] for dim, a, b in part]
+                        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part[0][0])
                     tensors[name] = t.to(dtype)
                     bar.update(_ckpt._num_bytes(entry))
     if shard.rank != 0:
