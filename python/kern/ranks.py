@@ -279,6 +279,10 @@ class _Guard:
                 time.sleep(BEAT_S / 5)
 
 
+# Runner methods that change nothing a rank holds: rank 0 runs them alone.
+_READ_ONLY = frozenset({"kv_at"})
+
+
 class RankedRunner:
     """Rank 0's runner: each call that changes what a rank holds is broadcast once, then run
     here; everything else is the local runner's (see the notes)."""
@@ -290,7 +294,14 @@ class RankedRunner:
         self.broadcasts = 0
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
+        value = getattr(self._runner, name)
+        if callable(value) and name not in _READ_ONLY:
+            # A runner method this wrapper does not broadcast would change rank 0 alone and
+            # leave the ranks apart: refuse it loudly instead.
+            raise AttributeError(
+                f"Runner.{name} is not broadcast to the other ranks (kern.ranks.RankedRunner)"
+            )
+        return value
 
     def _call(self, name: str, *args: Any) -> Any:
         t0 = time.perf_counter()
