@@ -60,7 +60,7 @@ from kern.checkpoint import Checkpoint
 from kern.errors import UsageError
 from kern.layout import Layout
 from kern.runner import Runner
-from kern.shard import Comm, Shard, load_shard, shard_model
+from kern.shard import Comm, Shard, check_shard, load_shard, shard_model
 from kern.toml_config import Target
 
 __all__ = ["BEAT_S", "EXIT_CODE", "HANG_S", "RankedRunner", "Ranks", "rendezvous"]
@@ -134,6 +134,9 @@ class Ranks:
         watchdog. Several machines: see :func:`rendezvous`."""
         self = cls(target)
         host, port, num_local = rendezvous(target.ranks)
+        # A checkpoint that does not split or does not match its config is one error here,
+        # from the headers alone, not N ranks failing at once.
+        check_shard(target.checkpoint, self.shard)
         if host == _LOCAL:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.store = dist.TCPStore(
@@ -202,8 +205,8 @@ class Ranks:
 
     def close(self) -> None:
         """Tell every rank to stop and wait for them (kern run, at its end)."""
+        self.closing = True  # before the message: a rank that stops is no fault now
         self._send(("stop", ()))
-        self.closing = True
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=HANG_S)

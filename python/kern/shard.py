@@ -52,7 +52,16 @@ from kern.config import ModelConfig, load_config
 from kern.models.qwen3_moe import SparseMoE
 from kern.tokenizer import Tokenizer
 
-__all__ = ["PARALLEL", "Comm", "Headless", "Shard", "ShardError", "load_shard", "shard_model"]
+__all__ = [
+    "PARALLEL",
+    "Comm",
+    "Headless",
+    "Shard",
+    "ShardError",
+    "check_shard",
+    "load_shard",
+    "shard_model",
+]
 
 # What each parallel mode splits, and the families it is implemented for.
 PARALLEL = {"tp": ("qwen3", "qwen3_moe", "qwen3_5"), "ep": ("qwen3_moe",)}
@@ -160,6 +169,17 @@ _ROWS = {
 } | {"in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"}
 _LINEAR_ROWS = {"linear_attn.dt_bias", "linear_attn.A_log"}
 _COLUMNS = {"o_proj.weight", "down_proj.weight", "out_proj.weight"}
+
+
+def check_shard(path: str | Path, shard: Shard) -> None:
+    """What :func:`load_shard` checks before reading any data: the config, that the model
+    splits, and every tensor's name and shape (from the safetensors headers)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise _ckpt.MissingFileError(f"{path}: no such checkpoint folder")
+    full = load_config(path)
+    shard.check(full)
+    _ckpt._validate(path, full, _ckpt._index_tensors(path, full))
 
 
 def load_shard(
