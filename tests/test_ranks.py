@@ -193,28 +193,20 @@ def test_a_runner_call_that_is_not_broadcast_is_refused():
 class Server:
     """``kern serve --config TOML --target NAME`` on a free port, as a subprocess."""
 
-    def __init__(self, toml: Path, target: str, log: Path) -> None:
+    def __init__(self, toml: Path, target: str, log: Path, *, hypercorn: bool = False) -> None:
         self.target = target
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self._log = open(log, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kern.cli",
-                "serve",
-                "--config",
-                str(toml),
-                "--target",
-                target,
-                "--port",
-                str(self.port),
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        cmd = [sys.executable, "-m", "kern.cli", "serve", "--config", str(toml)]
+        cmd += ["--target", target, "--port", str(self.port)]
+        env = dict(os.environ)
+        if hypercorn:
+            cmd = [sys.executable, "-m", "hypercorn", "kern.app:app"]
+            cmd += ["--bind", f"127.0.0.1:{self.port}"]
+            env.update(KERN_CONFIG=str(toml), KERN_TARGET=target)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -288,20 +280,29 @@ def _port_is_free(port: int) -> bool:
         return True
 
 
-def _children(parent: int, needle: str) -> list[int]:
-    found = []
+def _children(ancestor: int, needle: str) -> list[int]:
+    """Processes below ``ancestor`` (children, or further down: hypercorn runs its app in a
+    worker process) whose command line holds ``needle``."""
+    parents: dict[int, int] = {}
+    cmdlines: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and needle in cmdline:
-            found.append(int(entry.name))
-    return found
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+
+    def below(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == ancestor:
+                return True
+        return False
+
+    return [pid for pid, cmd in cmdlines.items() if needle in cmd and below(pid)]
 
 
 # ep is gated end to end (tools/e2e, qwen3_moe-ep2) and at 4 ranks below.
@@ -321,6 +322,22 @@ def test_served_under_load_equals_kern_run_at_the_same_ranks(toml, tmp_path, tar
     assert again == served[0]
     for prompt, ids in zip(PROMPTS, served, strict=True):
         assert ids == run_ids(toml, target, prompt, steps), prompt
+
+
+def test_hypercorn_serves_ranks(toml, tmp_path):
+    server = Server(toml, "ep", tmp_path / "serve.log", hypercorn=True)
+    try:
+        server.wait_ready()
+        (pid,) = server.rank_pids()
+        served = server.complete(PROMPTS[2], 12)
+    finally:
+        server.close()
+    assert server.proc.returncode == 0, server.output()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the rank ends with its parent (PR_SET_PDEATHSIG)
+    assert not Path(f"/proc/{pid}").exists()
+    assert served == run_ids(toml, "ep", PROMPTS[2], 12)
 
 
 def test_four_ranks_served_equal_kern_run_at_four(tmp_path_factory):
