@@ -6,8 +6,9 @@ Design notes
 * Rank 0 is the process the user started (``kern serve``, ``hypercorn kern.app:app``,
   ``kern run``): it runs the app, the scheduler and the cache's books, and starts ranks
   1 .. N-1 itself (``python -m kern.ranks``; on other machines a user starts them, see
-  docs/serve.md). They join through ``torch.distributed``: a TCPStore that rank 0 serves,
-  a process group for the model's collectives (NCCL on CUDA, gloo on the CPU) and a gloo
+  docs/serve.md). They join through ``torch.distributed``: a TCPStore that rank 0 serves
+  (where it puts its target first, so a rank needs nothing else to know what to load), a
+  process group for the model's collectives (NCCL on CUDA, gloo on the CPU) and a gloo
   group for the control messages.
 * One scheduler, many ranks: rank 0's runner is a :class:`RankedRunner`. Each call the
   scheduler makes (``forward``, ``park``, ``wake``, ``copy_pages``, ``copy_slots``,
