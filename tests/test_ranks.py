@@ -41,6 +41,8 @@ def toml(tmp_path_factory, tiny_dir) -> Path:
         f'pool_bytes = "4MiB"\n'
         f'[targets.hybrid]\ncheckpoint = "{tiny_dir("qwen3_5")}"\nranks = 2\nthreads = 1\n'
         f'pool_bytes = "1MiB"\n'
+        f'[targets.park]\ncheckpoint = "{qwen3}"\nranks = 2\nthreads = 1\n'
+        f'pool_bytes = "512KiB"\nhost_bytes = "4MiB"\n'
         f'[targets.one]\ncheckpoint = "{qwen3}"\nthreads = 1\n'
         f'[targets.ep_dense]\ncheckpoint = "{qwen3}"\nranks = 2\nparallel = "ep"\n'
         f'[targets.three]\ncheckpoint = "{qwen3}"\nranks = 3\n'
@@ -54,20 +56,14 @@ def kern(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     )
 
 
-def run_ids(toml: Path, target: str, prompt: str, steps: int) -> list[int]:
-    out = kern(
-        "run",
-        "--config",
-        str(toml),
-        "--target",
-        target,
-        "--prompt",
-        prompt,
-        "--steps",
-        str(steps),
-        "--ignore-eos",
-        "--json",
+def run_ids(toml: Path, target: str, prompt: str | list[int], steps: int) -> list[int]:
+    given = (
+        ["--prompt", prompt]
+        if isinstance(prompt, str)
+        else ["--prompt-ids", ",".join(map(str, prompt))]
     )
+    out = kern("run", "--config", str(toml), "--target", target, *given, "--steps", str(steps),
+               "--ignore-eos", "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)["ids"]
 
@@ -230,6 +226,22 @@ class Server:
             time.sleep(0.02)
         raise AssertionError("no rank process appeared")
 
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith((name + " ", name + "{"))
+        )
+
+    def usage(self, prompt: str | list[int], max_tokens: int) -> tuple[list[int], int]:
+        body = {"model": self.target, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return r.json()["choices"][0]["token_ids"], cached
+
     def complete(self, prompt: str, max_tokens: int) -> list[int]:
         body = {
             "model": self.target,
@@ -322,6 +334,30 @@ def test_served_under_load_equals_kern_run_at_the_same_ranks(toml, tmp_path, tar
     assert again == served[0]
     for prompt, ids in zip(PROMPTS, served, strict=True):
         assert ids == run_ids(toml, target, prompt, steps), prompt
+
+
+def test_plans_land_on_every_rank_parked_and_woken(toml, tmp_path):
+    """A small pool with a host tier: fillers park a prefix (each rank copies its own pages
+    to its host arena), its next turn wakes it; the answer equals kern run at 2 ranks."""
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randint(0, 500, (40,), generator=gen).tolist()
+    server = Server(toml, "park", tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        answer, _ = server.usage(first, 8)
+        for _ in range(40):
+            if server.metric("kern_parked_total") > 0:
+                break
+            server.usage(torch.randint(0, 500, (200,), generator=gen).tolist(), 1)
+        assert server.metric("kern_parked_total") > 0
+        turn = first + answer + [5, 6, 7]
+        got, cached = server.usage(turn, 8)
+        assert server.metric("kern_woken_total") > 0
+        assert cached >= len(first) + len(answer) - 1
+    finally:
+        server.close()
+    assert server.proc.returncode == 0, server.output()
+    assert got == run_ids(toml, "park", turn, 8)
 
 
 def test_hypercorn_serves_ranks(toml, tmp_path):
