@@ -23,7 +23,8 @@ Design notes
 * Faults (the bound is :data:`HANG_S` + :data:`BEAT_S`, about 11 s; a death is seen within
   :data:`BEAT_S`): every rank but 0 adds to its counter in the store every :data:`BEAT_S`
   from a thread of its own, whatever its main thread is doing (loading, in a collective,
-  idle). Rank 0's watchdog thread reads the counters and polls the processes it started; a
+  idle; a rank gets :data:`START_S` for its first one, while it imports torch). Rank 0's
+  watchdog thread reads the counters and polls the processes it started; a
   rank that exited, or whose counter has not moved for :data:`HANG_S` (a stopped or hung
   process: SIGSTOP stops all its threads), ends the whole server: one line naming the rank
   on stderr, every other rank killed, exit code :data:`EXIT_CODE` (the app's crash code),
