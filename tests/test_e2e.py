@@ -193,3 +193,36 @@ def test_result_counts_cached_tokens():
     assert res.cached_tokens == 5 and res.status == "pass"
     res.fail("x")
     assert res.status == "fail" and res.failures == ["x"]
+
+
+def test_rank_targets_report_identity_across_rank_counts(tmp_path, fake_kern):
+    """The 'vs 1 rank' row: kern run at the target's ranks against `kern run --ranks 1`,
+    counted, with the probe's ULP distances at the first divergence; reported, not gated."""
+    from types import SimpleNamespace
+
+    from http_client import Request
+    from ranks import across_rank_counts
+
+    kern, log = fake_kern
+    target = Target(name="t", checkpoint=_checkpoint(tmp_path), ranks=2, parallel="ep")
+    gate = SimpleNamespace(
+        oracle=_oracle(kern, tmp_path, target),
+        target=target,
+        rows=1,
+        prompts=[Request("a", 32), Request("b", 32)],
+        # The fake's one-rank answer is [7, 8, 9]: the first is the same, the second parts
+        # at step 1 with token 9, 50 ULPs under the top where the one-rank run took 8 (3).
+        refs=[
+            oracle.Reference([7, 8, 9], "abc", [1, 2], "length"),
+            oracle.Reference([7, 9, 9], "acc", [1, 2], "length"),
+        ],
+    )
+    res = across_rank_counts(gate)
+    assert res.status == "pass" and res.compared == 2 and res.diverged == 1
+    assert res.notes[0].startswith("1 of 2 answers byte-identical at ranks 2 (ep)")
+    assert "step 1: ranks 2 9, 1 rank 8" in res.notes[1]
+    assert "9: 50 ULPs under the top, 8: 3 ULPs under the top" in res.notes[1]
+    calls = _calls(log)
+    assert all(c[-2:] == ["--ranks", "1"] for c in calls)
+    probe = calls[-1]
+    assert probe[probe.index("--prompt-ids") + 1] == "1,2,7"

@@ -173,6 +173,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"torch intra-op threads (default: the target's, else {DEFAULT_THREADS})",
     )
+    p.add_argument(
+        "--ranks",
+        type=_positive_int,
+        metavar="N",
+        help="processes that split the model (default: the target's, else 1; see docs/serve.md)",
+    )
 
 
 def _resolve_target(args: argparse.Namespace) -> tuple[Target, str | None]:
@@ -184,7 +190,7 @@ def _resolve_target(args: argparse.Namespace) -> tuple[Target, str | None]:
         config=args.config,
         target=args.target,
         model=args.model,
-        overrides={"threads": args.threads},
+        overrides={"threads": args.threads, "ranks": args.ranks},
     )
     check_target(target, serving=False)
     return target, name
@@ -282,7 +288,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     rows = target.decode_rows
     sampling = _sampling(args)
 
-    ckpt = _load(target)
+    ranks = None
+    if target.ranks > 1:
+        from kern.ranks import load_for_run
+
+        ranks, ckpt = load_for_run(target)
+    else:
+        ckpt = _load(target)
     from kern.generate import generate
 
     tok = ckpt.tokenizer
@@ -306,10 +318,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.probe_dir is not None:
         probe_steps = args.probe_steps if args.probe_steps is not None else list(range(args.steps))
 
+    runner = None
+    if ranks is not None:
+        total = len(prompt_ids) + args.steps + rows  # as generate sizes its own pages
+        runner = ranks.runner_with_pages(ckpt, -(-total // target.page_tokens))
     result = generate(
         ckpt,
         prompt_ids,
         args.steps,
+        runner=runner,
         rows=rows,
         sampling=sampling,
         probe_steps=probe_steps,
@@ -318,6 +335,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         threads=target.threads,
         device=target.device,
     )
+    if ranks is not None:
+        ranks.close()
     ids = list(result.ids)
     finish = "length"
     if not args.ignore_eos:
@@ -354,6 +373,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "finish_reason": finish,
         "prompt_ids": prompt_ids,
         "threads": target.threads,
+        "ranks": target.ranks,
+        "parallel": target.parallel if target.ranks > 1 else None,
         "rows": rows,
         "steps": args.steps,
         "model": str(target.checkpoint),
@@ -371,6 +392,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         how = "greedy" if sampling is None else "sampled"
         print(
             f"[kern run] {len(ids)} tokens ({finish}), {how}, threads={target.threads}, "
+            f"ranks={target.ranks}{'/' + target.parallel if target.ranks > 1 else ''}, "
             f"rows={rows}, {target.device}/{target.dtype}, {target.checkpoint}",
             file=sys.stderr,
         )
@@ -488,6 +510,11 @@ def _add_test(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_test(args: argparse.Namespace) -> int:
     target, target_name = _resolve_target(args)
+    if target.ranks > 1:
+        raise UsageError(
+            f"{target.where('ranks')}: ranks = {target.ranks}: kern test checks one rank's "
+            "backend; run it on a target with ranks = 1 (kern run and kern serve take ranks)"
+        )
     ckpt = _load(target)
     from kern.generate import generate
     from kern.sampler import SamplingParams

@@ -61,7 +61,12 @@ class Engine:
     @classmethod
     def load(cls, target: Target, *, ops: Ops | None = None) -> Engine:
         """Pin the thread count, load ``target``'s checkpoint, size the arenas from its
-        budgets and build the runner over them (on ``ops``, default: the target's device)."""
+        budgets and build the runner over them (on ``ops``, default: the target's device).
+        A target with ``ranks`` above 1 is loaded by every rank (``kern.ranks``)."""
+        if target.ranks > 1:
+            from kern.ranks import load_engine
+
+            return load_engine(target, ops=ops)
         torch.set_num_threads(target.threads)
         ops = ops or make_ops(target.device)
         layout = Layout.of(load_config(target.checkpoint), ops.dtype, target.page_tokens)

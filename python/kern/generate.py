@@ -60,11 +60,13 @@ def generate(
     threads: int | None = None,
     device: str = "cpu",
     reference: bool = False,
+    runner: Runner | None = None,
 ) -> GenerateResult:
     """Generate ``steps`` tokens after ``prompt_ids`` (greedy unless ``sampling`` says
     otherwise), verifying up to ``rows - 1`` drafted tokens per step, on ``device`` (the
     checkpoint's tensors are moved there by the runner), or through the torch reference path
-    (``reference=True``, CPU float32, see ``kern.backend.ReferenceOps``).
+    (``reference=True``, CPU float32, see ``kern.backend.ReferenceOps``), or on ``runner`` when
+    given (one whose pages are the sequence's own, e.g. ``kern.ranks``' ranked runner).
 
     Raises ``ValueError`` for an empty prompt, ``steps < 0`` or ``rows < 1``.
     """
@@ -78,13 +80,19 @@ def generate(
     probe_at = set(probe_steps or ())
     probes: dict[int, tuple[Tensor, Tensor]] = {}
     total = len(prompt_ids) + steps + rows
-    runner = Runner.with_pages(
-        checkpoint,
-        num_pages=-(-total // page_tokens),
-        page_tokens=page_tokens,
-        num_slots=1,
-        ops=make_ops(device, reference=reference),
-    )
+    if runner is None:
+        runner = Runner.with_pages(
+            checkpoint,
+            num_pages=-(-total // page_tokens),
+            page_tokens=page_tokens,
+            num_slots=1,
+            ops=make_ops(device, reference=reference),
+        )
+    elif runner.num_pages * runner.page_tokens < total:
+        raise ValueError(
+            f"the runner's pages hold {runner.num_pages * runner.page_tokens} "
+            f"tokens; this run needs {total}"
+        )
     table = list(range(runner.num_pages))
     out: list[int] = []
     if steps == 0:

@@ -86,6 +86,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--threads", type=_positive_int, metavar="N", help=f"default {DEFAULT_THREADS}"
     )
     keys.add_argument(
+        "--ranks",
+        type=_positive_int,
+        metavar="N",
+        help="processes that split the model, tp unless the target says (default 1)",
+    )
+    keys.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         help="split chat answers' <think>...</think> into reasoning_content (default: off)",
@@ -196,9 +202,13 @@ def _summary(target, family: str, engine, app, sock: socket.socket) -> str:
     mib = 2**20
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
+    ranks = ""
+    if target.ranks > 1:
+        ranks = f", {target.ranks} ranks ({target.parallel}), budgets per rank"
     return (
         f"kern {__version__} serving {target.name!r}: {family} from {target.checkpoint} on "
-        f"{target.device}/{target.dtype}, threads {target.threads}, {_rows(target)}; KV pool "
+        f"{target.device}/{target.dtype}, threads {target.threads}{ranks}, {_rows(target)}; "
+        "KV pool "
         f"{app.scheduler.max_pages} pages x {target.page_tokens} tokens, "
         f"{stats.slot_capacity} state slots ({device_arena / mib:.1f} MiB); host tier "
         f"{stats.host_pages_free} pages ({host_arena / mib:.1f} MiB); "

@@ -5,12 +5,13 @@ Design notes
 ------------
 * A target comes from a kern.toml (``--config FILE --target NAME``), from a checkpoint folder
   (``--model DIR``), or is the embedded tiny model. Flags that map one to one to kern.toml keys
-  (``--threads``; ``kern serve`` also ``--dtype``, ``--device``, ``--pool-bytes``,
+  (``--threads``, ``--ranks``; ``kern serve`` also ``--dtype``, ``--device``, ``--pool-bytes``,
   ``--host-bytes``, ``--page-tokens``) override the file's value. Every key remembers what set
   it (``Target.origin``), so an error names the file and key, or the flag.
-* A key kern does not implement for the command is refused, never ignored: ``ranks`` other than
-  1 anywhere, and a draft checkpoint anywhere (not implemented yet). ``draft = "ngram"`` (the
-  default at rows > 1) is the drafter ``kern run``, ``kern test`` and ``kern serve`` use.
+* A key kern does not implement for the command is refused, never ignored: ``ranks`` above 1
+  for a model ``parallel`` does not split (kern.shard) or on too few CUDA devices, and a draft
+  checkpoint anywhere (not implemented yet). ``draft = "ngram"`` (the default at rows > 1) is
+  the drafter ``kern run``, ``kern test`` and ``kern serve`` use.
 * ``--rows R`` (``kern run``, ``kern serve``; ``KERN_ROWS`` under hypercorn) picks one of a
   kern.toml target's declared shapes (:func:`choose_rows`; rows 1, plain decoding, is always
   allowed); a ``--model`` or embedded target declares none, so any R is taken as declared.
@@ -40,6 +41,7 @@ FLAGS = {
     "host_bytes": "--host-bytes",
     "page_tokens": "--page-tokens",
     "threads": "--threads",
+    "ranks": "--ranks",
     "reasoning_parser": "--reasoning-parser",
 }
 
@@ -126,10 +128,7 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     config. Raises :class:`UsageError` naming the key's file or flag, and
     ``CheckpointError`` for a missing or unreadable checkpoint."""
     if target.ranks != 1:
-        raise UsageError(
-            f"{target.where('ranks')}: ranks = {target.ranks}: kern runs one rank "
-            "(several ranks are not implemented yet)"
-        )
+        _check_ranks(target)
     if target.draft is not None and target.draft != "ngram":
         raise UsageError(
             f"{target.where('draft')}: draft = {target.draft!r}: draft checkpoints are not "
@@ -153,4 +152,29 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
             )
     if not target.checkpoint.is_dir():
         raise MissingFileError(f"{target.checkpoint}: no such checkpoint folder")
-    return load_config(target.checkpoint)
+    config = load_config(target.checkpoint)
+    if target.ranks != 1:
+        from kern.shard import Shard, ShardError
+
+        try:
+            Shard(0, target.ranks, target.parallel).check(config)
+        except ShardError as e:
+            raise UsageError(f"{target.where('ranks')}: {e}") from None
+    return config
+
+
+def _check_ranks(target: Target) -> None:
+    """Where several ranks run: rank r on cuda:r, or all on the CPU (see kern.ranks)."""
+    if target.device.startswith("cuda"):
+        import torch
+
+        if target.device != "cuda":
+            raise UsageError(
+                f"{target.where('device')}: with ranks = {target.ranks}, device is 'cuda' "
+                "(rank r runs on cuda:r)"
+            )
+        if torch.cuda.device_count() < target.ranks:
+            raise UsageError(
+                f"{target.where('ranks')}: ranks = {target.ranks} needs as many CUDA devices; "
+                f"torch sees {torch.cuda.device_count()}"
+            )

@@ -10,7 +10,8 @@ host_bytes = "4GiB"                # host tier for parked cache entries; 0 = non
 page_tokens = 16
 rows = [1, 4]                      # decode row shapes; kern run and serve use the widest
 draft = "ngram"                    # the drafter at rows > 1 (the default); or a checkpoint
-ranks = 1
+ranks = 1                          # processes (tensor / expert parallel), see docs/serve.md
+parallel = "tp"                    # with ranks > 1: "tp" (heads and MLP columns) or "ep" (experts)
 threads = 2                        # torch intra-op threads (CPU results depend on it)
 reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_content
 ```
@@ -18,9 +19,10 @@ reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_co
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
 misspelt ``page_token = 32`` silently ignored would serve with 16 and nobody would know. This
 module parses; whether a command can run what a target asks (a draft checkpoint is not
-implemented yet, ``ranks`` is 1) is :func:`kern.targets.check_target`'s call. A step at rows R
-verifies the last token and R - 1 drafts, so ``rows`` also says how many tokens to draft;
-``draft`` without a row shape above 1 would draft nothing, and is an error.
+implemented yet; ``ranks`` and ``parallel`` split only what kern implements) is
+:func:`kern.targets.check_target`'s call. A step at rows R verifies the last token and R - 1
+drafts, so ``rows`` also says how many tokens to draft; ``draft`` without a row shape above 1
+would draft nothing, and is an error.
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ _TARGET_KEYS = (
     "rows",
     "draft",
     "ranks",
+    "parallel",
     "threads",
     "reasoning_parser",
 )
+# parallel values (kern.shard.PARALLEL; kept here so parsing imports nothing).
+PARALLEL_MODES = ("tp", "ep")
 # reasoning_parser values (kern.splitter.REASONING_PARSERS; kept here so parsing imports nothing).
 REASONING_PARSERS = ("qwen3",)
 
@@ -102,6 +107,8 @@ class Target:
     # rows > 1: n-gram lookup, the drafter that needs no model).
     draft: str | None = None
     ranks: int = 1
+    # How ranks split the model (kern.shard): "tp" or "ep".
+    parallel: str = "tp"
     threads: int = DEFAULT_THREADS
     # Split <think>...</think> into reasoning_content when serving chat (kern.splitter); None: off.
     reasoning_parser: str | None = None
@@ -191,6 +198,13 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
     if draft is not None and draft != "ngram":
         draft = str((path.parent / draft).resolve())
     pool = table.get("pool_bytes")
+    parallel = _str(table, "parallel", where, "tp")
+    if parallel not in PARALLEL_MODES:
+        raise TomlConfigError(
+            f"{where}.parallel: {parallel!r} is not one of {', '.join(PARALLEL_MODES)}"
+        )
+    if "parallel" in table and table.get("ranks", 1) == 1:
+        raise TomlConfigError(f"{where}.parallel: says how ranks split the model; ranks is 1")
     parser = table.get("reasoning_parser")
     if parser is not None and parser not in REASONING_PARSERS:
         raise TomlConfigError(
@@ -208,6 +222,7 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         rows=tuple(sorted(set(rows_list))),
         draft=draft,
         ranks=_pos_int(table, "ranks", where, 1),
+        parallel=parallel,
         threads=_pos_int(table, "threads", where, DEFAULT_THREADS),
         reasoning_parser=parser,
         origin={key: f"{where}.{key}" for key in _TARGET_KEYS},

@@ -16,6 +16,8 @@ adds them in expert-id order; the two differ by float32 rounding only.)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -25,44 +27,60 @@ from kern.models.layers import Attention, DecoderLayer, DecoderModel, DenseMLP, 
 
 
 class SparseMoE:
+    """The router and the experts whose weights ``t`` holds: every expert, unless the tensors
+    are one expert-parallel rank's shard (``kern.shard``), which holds 1/N of them."""
+
     def __init__(self, ops: Ops, c: ModelConfig, t: Tensors, prefix: str) -> None:
         self.ops = ops
         self.top_k = c.num_experts_per_tok
         self.num_experts = c.num_experts
         self.norm_topk_prob = c.norm_topk_prob
         self.w_router = ops.prepare_linear(t[f"{prefix}gate.weight"])
-        self.w_gate_up = []
-        self.w_down = []
+        self.w_gate_up: dict[int, Any] = {}
+        self.w_down: dict[int, Any] = {}
         for e in range(c.num_experts):
             p = f"{prefix}experts.{e}."
+            if p + "gate_proj.weight" not in t:
+                continue
             gate_up = torch.cat([t[p + "gate_proj.weight"], t[p + "up_proj.weight"]])
-            self.w_gate_up.append(ops.prepare_linear(gate_up))
-            self.w_down.append(ops.prepare_linear(t[p + "down_proj.weight"]))
+            self.w_gate_up[e] = ops.prepare_linear(gate_up)
+            self.w_down[e] = ops.prepare_linear(t[p + "down_proj.weight"])
 
     def __call__(self, x: Tensor) -> Tensor:
-        ops = self.ops
-        n = x.shape[0]
-        router_logits = ops.linear(x, self.w_router)
+        weights, experts = self.route(x)
+        return self.combine(self.expert_outputs(x, experts), weights)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Each token's top-k routing weights (in x's dtype) and expert ids: [T, k] each."""
+        router_logits = self.ops.linear(x, self.w_router)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        return weights.to(x.dtype), experts
+
+    def expert_outputs(self, x: Tensor, experts: Tensor) -> Tensor:
+        """[T, k, hidden]: slot j of token t is expert ``experts[t, j]``'s output for it, or
+        zeros where that expert is not held here."""
+        ops = self.ops
+        n = x.shape[0]
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = x[order // self.top_k]
-        ys = torch.empty_like(xs)
+        ys = torch.zeros_like(xs) if len(self.w_down) < self.num_experts else torch.empty_like(xs)
         start = 0
         for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            h = ops.silu_and_mul(ops.linear(xs[start : start + count], self.w_gate_up[e]))
-            ys[start : start + count] = ops.linear(h, self.w_down[e])
+            if count and e in self.w_down:
+                h = ops.silu_and_mul(ops.linear(xs[start : start + count], self.w_gate_up[e]))
+                ys[start : start + count] = ops.linear(h, self.w_down[e])
             start += count
         y = torch.empty_like(ys)
         y[order] = ys
-        y = y.view(n, self.top_k, -1)
+        return y.view(n, self.top_k, -1)
+
+    def combine(self, y: Tensor, weights: Tensor) -> Tensor:
+        """A token's expert outputs weighted and added in its top-k slot order."""
         out = y[:, 0] * weights[:, 0:1]
         for j in range(1, self.top_k):
             out = out + y[:, j] * weights[:, j : j + 1]
