@@ -151,10 +151,10 @@ class Ranks:
             cmd += ["--rank", str(rank), "--ranks", str(self.num_ranks), "--local-rank", str(rank)]
             cmd += ["--parent", str(os.getpid())]
             self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        watchdog = threading.Thread(
+        self.watchdog = threading.Thread(
             target=self._watch, args=(host, port), name="kern-watchdog", daemon=True
         )
-        watchdog.start()
+        self.watchdog.start()
         self._join()
         return self
 
@@ -214,7 +214,12 @@ class Ranks:
                 proc.wait(timeout=HANG_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        # The watchdog's store calls must be over before the interpreter ends: one caught
+        # mid-call by the exit aborted kern run ("terminate called without an active
+        # exception", exit -6) in a CI run of the two-node test.
+        self.watchdog.join(timeout=4 * BEAT_S)
         dist.destroy_process_group()
+        self.store = None
 
     # --- faults ---------------------------------------------------------------------------
 
