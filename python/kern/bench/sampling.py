@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "tiny":
             path = default_model_path()
