@@ -40,6 +40,7 @@ Design notes
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from typing import Any
 
@@ -55,6 +56,7 @@ CACHE_SIZE = 64
 # arguments with \x0e in a string). Its unbounded strings exclude them; so do these.
 _LOOSE_CHARS = r"[^\"\\\r\n]"
 _STRICT_CHARS = r"[^\0-\x1f\"\\]"
+_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ", re.MULTILINE)
 # Whitespace characters allowed between JSON tokens in a structural tag's JSON.
 TAG_WHITESPACE = 1
 # UTF-8 lead bytes whose next byte is narrower than 80..BF: no overlong forms, no
@@ -244,7 +246,7 @@ class Grammars:
             }
         else:
             calls = tags[0]
-        return self._tag(_sequence(think, calls), "the tools' parameters")
+        return self._tag(_sequence(think, calls), "a tool's parameters schema")
 
     def _tag(self, fmt: dict[str, Any], what: str) -> Any:
         key = json.dumps({"type": "structural_tag", "format": fmt}, sort_keys=True)
@@ -271,7 +273,9 @@ class Grammars:
         try:
             compiled = (build(), ban_controls)
         except Exception as e:  # xgrammar raises plain RuntimeErrors for bad schemas
-            raise StructuredOutputError(f"{what} does not compile: {e}") from None
+            # xgrammar's messages start with a time and its source file: keep the reason.
+            reason = _XGR_PREFIX.sub("", str(e)).strip()
+            raise StructuredOutputError(f"{what} does not compile: {reason}") from None
         self._cache[key] = compiled
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
