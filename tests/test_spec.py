@@ -404,3 +404,21 @@ def test_rows_under_hypercorn_come_from_kern_rows(tmp_path, monkeypatch):
         monkeypatch.setenv("KERN_ROWS", rows)
         with pytest.raises(UsageError, match=re.escape(message)):
             Settings.from_env()
+
+
+def test_the_benchmarks_loop_rules():
+    """kern.bench.spec measures answers that repeat themselves: an exact loop keeps one period
+    of at most 8 tokens; a loose one only few distinct ids."""
+    import random
+
+    from kern.bench.spec import _loop_start
+
+    periodic = [9, 8, 7, 6, 5] + [1, 2, 3] * 20
+    assert _loop_start(periodic, True) == 5
+    assert _loop_start(periodic, False) == 4  # {5, 1, 2, 3}: four distinct ids are a loop
+    rng = random.Random(0)
+    two_ids = [9, 8, 7] + [rng.choice((1, 2)) for _ in range(64)]
+    assert _loop_start(two_ids, True) is None
+    assert _loop_start(two_ids, False) == 1  # {8, 7, 1, 2}
+    assert _loop_start(list(range(100)), True) is None
+    assert _loop_start(list(range(100)), False) is None
