@@ -598,6 +598,8 @@ pub struct Room {
     slots_freed: u64,
     #[pyo3(get)]
     fits: bool,
+    /// The pages `take_pages` allocated (empty from `make_room`, and when the room does not fit).
+    pages: Py<PyBytes>,
 }
 
 #[pymethods]
@@ -608,24 +610,33 @@ impl Room {
         self.evicted.iter().cloned().map(Evicted::from).collect()
     }
 
-    fn __repr__(&self) -> String {
+    /// The pages `take_pages` allocated, as little-endian uint32 bytes (empty from `make_room`,
+    /// and when the room does not fit).
+    #[getter]
+    fn pages<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        self.pages.bind(py).clone()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
-            "Room(evicted={}, pages_freed={}, slots_freed={}, fits={})",
+            "Room(evicted={}, pages_freed={}, slots_freed={}, fits={}, pages={})",
             self.evicted.len(),
             self.pages_freed,
             self.slots_freed,
-            if self.fits { "True" } else { "False" }
+            if self.fits { "True" } else { "False" },
+            self.pages.bind(py).as_bytes().len() / 4
         )
     }
 }
 
-impl From<plan::Room> for Room {
-    fn from(r: plan::Room) -> Self {
+impl Room {
+    fn new(py: Python<'_>, r: plan::Room, pages: &[u32]) -> Self {
         Room {
             evicted: r.evicted,
             pages_freed: r.pages_freed,
             slots_freed: r.slots_freed,
             fits: r.fits,
+            pages: u32_bytes(py, pages).unbind(),
         }
     }
 }
@@ -782,14 +793,17 @@ impl Cache {
             min_slots: min_slots.map_or(Ok(2), |v| int_arg(v, "min_slots"))?,
         };
         let inner = guarded(|| CoreCache::new(cfg))?;
+        let py = page_tokens.py();
         let no_room_needed = Py::new(
-            page_tokens.py(),
-            Room {
-                evicted: Vec::new(),
-                pages_freed: 0,
-                slots_freed: 0,
-                fits: true,
-            },
+            py,
+            Room::new(
+                py,
+                plan::Room {
+                    fits: true,
+                    ..plan::Room::default()
+                },
+                &[],
+            ),
         )?;
         Ok(Cache {
             inner,
@@ -884,12 +898,87 @@ impl Cache {
             return Ok(self.no_room_needed.clone_ref(py));
         }
         let inner = &mut self.inner;
-        let room: Room = if pages >= DETACH_PAGES {
-            detached(py, || Ok(inner.make_room(pages, slots, park)))?.into()
+        let room = if pages >= DETACH_PAGES {
+            detached(py, || Ok(inner.make_room(pages, slots, park)))?
         } else {
-            guarded(|| Ok(inner.make_room(pages, slots, park)))?.into()
+            guarded(|| Ok(inner.make_room(pages, slots, park)))?
         };
-        Py::new(py, room)
+        Py::new(py, Room::new(py, room, &[]))
+    }
+
+    /// `make_room(n, park=park)` and, when the room fits, `alloc_pages(n)`, in one call.
+    #[pyo3(
+        signature = (n, park = None),
+        text_signature = "($self, n, park=True)"
+    )]
+    fn take_pages(
+        &mut self,
+        py: Python<'_>,
+        n: &Bound<'_, PyAny>,
+        park: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Room> {
+        let n: usize = int_arg(n, "n")?;
+        let park = park.map_or(Ok(true), |v| bool_arg(v, "park"))?;
+        let (inner, ids) = (&mut self.inner, &mut self.alloc_ids);
+        let room = if n as u64 >= DETACH_PAGES {
+            detached(py, || inner.take_pages_into(n, park, ids))?
+        } else {
+            guarded(|| inner.take_pages_into(n, park, ids))?
+        };
+        let out = Room::new(py, room, ids);
+        ids.clear();
+        Ok(out)
+    }
+
+    /// The end of a request: `insert(tokens, pages, state)`, `unlock(node)` and
+    /// `free_pages(free)` in one call, every check before any change.
+    #[pyo3(
+        signature = (tokens, pages, state = None, *, node = None, free = None),
+        text_signature = "($self, tokens, pages, state=None, *, node=None, free=b'')"
+    )]
+    fn release(
+        &mut self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        state: Option<&Bound<'_, PyAny>>,
+        node: Option<&Bound<'_, PyAny>>,
+        free: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Inserted> {
+        let tokens = read_u32(py, tokens, "tokens")?;
+        let pages = read_u32(py, pages, "pages")?;
+        let free = match free {
+            Some(f) => read_u32(py, f, "free")?,
+            None => U32s::owned(Vec::new()),
+        };
+        let state = state.map(|s| int_arg(s, "state")).transpose()?.map(SlotId);
+        let node = node
+            .map(|n| int_arg(n, "node"))
+            .transpose()?
+            .map(NodeId::from_u64);
+        let inner = &mut self.inner;
+        let r = if tokens.len() >= DETACH_TOKENS {
+            let (tokens, pages, free) = (
+                tokens.as_slice().to_vec(),
+                pages.as_slice().to_vec(),
+                free.as_slice().to_vec(),
+            );
+            detached(py, || inner.release(&tokens, &pages, state, node, &free))?
+        } else {
+            guarded(|| {
+                inner.release(
+                    tokens.as_slice(),
+                    pages.as_slice(),
+                    state,
+                    node,
+                    free.as_slice(),
+                )
+            })?
+        };
+        Ok(Inserted {
+            held: r.held,
+            woken: r.woken,
+        })
     }
 
     fn wake(&mut self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<Woken> {

@@ -694,15 +694,21 @@ impl Prefix {
         Ok(())
     }
 
-    /// Release one lock taken on `node`'s own handle. `NotLocked` (changing nothing) when none
-    /// is held on it, even if a descendant's lock covers it.
-    pub fn unlock(&mut self, node: NodeId) -> Result<()> {
+    /// What `unlock(node)` would refuse, changing nothing; the node's index when it would not.
+    pub fn check_unlock(&self, node: NodeId) -> Result<u32> {
         let i = self.resolve(node)?;
         if self.nodes[i as usize].own_lock == 0 {
             return Err(KernError::NotLocked {
                 handle: node.to_u64(),
             });
         }
+        Ok(i)
+    }
+
+    /// Release one lock taken on `node`'s own handle. `NotLocked` (changing nothing) when none
+    /// is held on it, even if a descendant's lock covers it.
+    pub fn unlock(&mut self, node: NodeId) -> Result<()> {
+        let i = self.check_unlock(node)?;
         self.nodes[i as usize].own_lock -= 1;
         let mut j = i;
         while j != ROOT {
