@@ -265,15 +265,15 @@ def test_bad_input_raises_and_changes_nothing(cache, call, error, words):
 
 def test_take_pages_is_make_room_then_alloc(cache):
     cached(cache, range(8))
-    room = cache.take_pages(3)
-    assert (room.fits, room.evicted, len(ids(room.pages))) == (True, [], 3)
+    pages, room = cache.take_pages(3)
+    assert (room.fits, room.evicted, len(ids(pages))) == (True, [], 3)
+    assert cache.take_pages(0)[1] is room  # evicting nothing: the same Room every time
     everyone_else = cache.alloc_pages(cache.pages_free)
-    room = cache.take_pages(2, park=False)  # only the cached entry's 2 pages can be had
+    pages, room = cache.take_pages(2, park=False)  # only the cached entry's 2 pages can be had
     assert (room.fits, room.pages_freed, len(room.evicted)) == (True, 2, 1)
-    assert len(set(ids(room.pages))) == 2
-    room = cache.take_pages(1)  # nothing left to evict: nothing allocated
-    assert (room.fits, room.pages) == (False, b"")
-    assert cache.make_room(0).pages == b""
+    assert len(set(ids(pages))) == 2
+    pages, room = cache.take_pages(1)  # nothing left to evict: nothing allocated
+    assert (pages, room.fits, room.evicted) == (None, False, [])
     cache.free_pages(everyone_else)
     cache.check_integrity()
 
@@ -285,7 +285,7 @@ def test_release_is_insert_unlock_and_free(cache):
     own = ids(cache.alloc_pages(3))  # the key's third page and two past the key
     pages = ids(m.pages) + own[:1]
     used = cache.stats().pages_used
-    ins = cache.release(key, u32(pages), node=m.node, free=u32(own[1:]))
+    ins = cache.release(key, u32(pages), None, m.node, u32(own[1:]))
     assert (ins.held, ins.woken) == (8, 0)
     s = cache.stats()
     assert (s.pages_used, s.resident_pages) == (used - 2, 3)

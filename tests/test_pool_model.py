@@ -584,9 +584,10 @@ class CacheMachine(RuleBasedStateMachine):
                 own = None
         else:
             # Room and pages in one call, as the scheduler takes them.
-            room = cache.take_pages(need)
+            pages, room = cache.take_pages(need)
             model.evicted(room)
-            own = ids(room.pages) if room.fits else None
+            assert (pages is not None) == room.fits
+            own = None if pages is None else ids(pages)
             assert len(own or []) == (need if room.fits else 0)
         if own is None:
             if node is not None:
@@ -612,11 +613,11 @@ class CacheMachine(RuleBasedStateMachine):
                 # A page named twice is refused, changing nothing.
                 self.refused(
                     lambda: cache.release(
-                        u32(r.tokens), u32(r.pages), r.slot, node=r.node, free=u32(extra * 2)
+                        u32(r.tokens), u32(r.pages), r.slot, r.node, u32(extra * 2)
                     ),
                     kp.RepeatedId,
                 )
-            ins = cache.release(u32(r.tokens), u32(r.pages), r.slot, node=r.node, free=u32(extra))
+            ins = cache.release(u32(r.tokens), u32(r.pages), r.slot, r.node, u32(extra))
         else:
             ins = cache.insert(u32(r.tokens), u32(r.pages), r.slot)
         held, woken, freed = model.insert(r.tokens, r.pages, r.slot)

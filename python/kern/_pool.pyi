@@ -116,8 +116,8 @@ class Evicted:
 @final
 class Room:
     """What ``Cache.make_room`` or ``Cache.take_pages`` did: the steps of the loop (land each
-    park plan before writing the pages), the device pages and slots they gave back, whether
-    the room is there, and the pages ``take_pages`` allocated."""
+    park plan before allocating or writing the pages), the device pages and slots they gave
+    back, and whether the room is there."""
 
     @property
     def evicted(self) -> list[Evicted]: ...
@@ -127,10 +127,6 @@ class Room:
     def slots_freed(self) -> int: ...
     @property
     def fits(self) -> bool: ...
-    @property
-    def pages(self) -> bytes:
-        """The pages ``take_pages`` allocated (empty from ``make_room``, and when the room
-        does not fit)."""
 
 @final
 class Geometry:
@@ -240,23 +236,23 @@ class Cache:
         """Evict until ``pages`` pages and ``slots`` slots can be allocated together; land each
         park plan before allocating."""
 
-    def take_pages(self, n: int, park: bool = True) -> Room:
+    def take_pages(self, n: int, park: bool = True) -> tuple[bytes | None, Room]:
         """``make_room(n, park=park)`` and, when the room fits, ``alloc_pages(n)`` in one call:
-        the pages are ``room.pages`` (empty when ``room.fits`` is False). Land each park plan
-        before writing the pages."""
+        ``(pages, room)``, ``pages`` None when ``room.fits`` is False. Land each park plan
+        before writing the pages. A call that evicted nothing returns the same ``Room``."""
 
     def release(
         self,
         tokens: Buffer,
         pages: Buffer,
         state: int | None = None,
-        *,
         node: int | None = None,
         free: Buffer = b"",
     ) -> Inserted:
         """The end of a request: ``insert(tokens, pages, state)``, ``unlock(node)`` and
         ``free_pages(free)`` in one call. Every check runs before anything changes (a page
-        named in both ``pages`` and ``free`` is ``RepeatedId``)."""
+        named in both ``pages`` and ``free`` is ``RepeatedId``). Pass arguments by position:
+        keywords cost about 0.1 us each to cross."""
 
     def wake(self, node: int) -> Woken:
         """Bring the parked part of ``node``'s path back, all or nothing (``PoolFull``)."""

@@ -392,10 +392,9 @@ class Scheduler:
     def _alloc_pages(self, n: int) -> list[int] | None:
         if n <= 0:
             return []
-        room = self.cache.take_pages(n)  # make room and allocate, in one call
-        if not self._land(room):
-            return None
-        return _ids(room.pages)
+        pages, room = self.cache.take_pages(n)  # make room and allocate, in one call
+        self._land(room)
+        return None if pages is None else _ids(pages)
 
     def _alloc_slot(self) -> int | None:
         if not self._make_room(0, slots=1):
@@ -431,7 +430,7 @@ class Scheduler:
         # pages, and the slot when it already holds a snapshot at this length), the match's
         # lock is released and the pages past the computed tokens are freed. (With nothing
         # computed, `keep` is empty and the insert of an empty key changes nothing.)
-        ins = cache.release(_u32(req.tokens[:n]), _u32(keep), state, node=node, free=_u32(extra))
+        ins = cache.release(_u32(req.tokens[:n]), _u32(keep), state, node, _u32(extra))
         if ins.woken:
             self.metrics.woken.inc(ins.woken)
         if state is not None:

@@ -157,9 +157,8 @@ def replay_kern(t: Trace, pt: int, budget: int) -> Run:
             m = cache.match(prompt)
             t1 = clock()
             need = -(-len(prompt) // pt) - m.hit_len // pt
-            room = cache.take_pages(need)
-            assert room.fits
-            block = m.pages + room.pages
+            own, room = cache.take_pages(need)
+            block = m.pages + own
             t2 = clock()
             match_ns.append(t1 - t0)
             if room.pages_freed:
@@ -174,11 +173,10 @@ def replay_kern(t: Trace, pt: int, budget: int) -> Run:
             key = tokens[: full_len // pt * pt].copy()
             t0 = clock()
             need = -(-full_len // pt) - len(block) // 4
-            room = cache.take_pages(need)
-            assert room.fits
-            block += room.pages
+            own, room = cache.take_pages(need)
+            block += own
             t1 = clock()
-            cache.release(key, block[:whole], node=node, free=block[whole:])
+            cache.release(key, block[:whole], None, node, block[whole:])
             t2 = clock()
             if room.pages_freed:
                 take_ns.append(t1 - t0)
@@ -215,8 +213,7 @@ def replay_python(t: Trace, pt: int, budget: int) -> Run:
             m = tree.match(prompt)
             t1 = clock()
             need = -(-len(prompt) // (4 * pt)) - m.hit_len // pt
-            evicted, own = tree.take_pages(need)
-            assert own is not None
+            own, evicted = tree.take_pages(need)
             block = m.pages + own
             t2 = clock()
             match_ns.append(t1 - t0)
@@ -232,8 +229,7 @@ def replay_python(t: Trace, pt: int, budget: int) -> Run:
             key = tokens[: 4 * whole * pt]
             t0 = clock()
             need = -(-full_len // pt) - len(block)
-            evicted, own = tree.take_pages(need)
-            assert own is not None
+            own, evicted = tree.take_pages(need)
             block += own
             t1 = clock()
             tree.release(key, block[:whole], hit, node, block[whole:])

@@ -217,13 +217,13 @@ class Tree:
                 self._offer(x)
             x = x.parent
 
-    def take_pages(self, n: int) -> tuple[int, list[int] | None]:
-        """`make_room(n)` and, when `n` pages are free, `alloc_pages(n)`: (entries evicted,
-        the pages or None)."""
+    def take_pages(self, n: int) -> tuple[list[int] | None, int]:
+        """`make_room(n)` and, when `n` pages are free, `alloc_pages(n)`: (the pages or None,
+        entries evicted)."""
         taken = self.make_room(n)
         if n > len(self.free):
-            return taken, None
-        return taken, self.alloc_pages(n)
+            return None, taken
+        return self.alloc_pages(n), taken
 
     def release(
         self, key: bytes, pages: list[int], hit: int, node: Node | None, free: list[int]

@@ -598,8 +598,6 @@ pub struct Room {
     slots_freed: u64,
     #[pyo3(get)]
     fits: bool,
-    /// The pages `take_pages` allocated (empty from `make_room`, and when the room does not fit).
-    pages: Py<PyBytes>,
 }
 
 #[pymethods]
@@ -610,33 +608,24 @@ impl Room {
         self.evicted.iter().cloned().map(Evicted::from).collect()
     }
 
-    /// The pages `take_pages` allocated, as little-endian uint32 bytes (empty from `make_room`,
-    /// and when the room does not fit).
-    #[getter]
-    fn pages<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
-        self.pages.bind(py).clone()
-    }
-
-    fn __repr__(&self, py: Python<'_>) -> String {
+    fn __repr__(&self) -> String {
         format!(
-            "Room(evicted={}, pages_freed={}, slots_freed={}, fits={}, pages={})",
+            "Room(evicted={}, pages_freed={}, slots_freed={}, fits={})",
             self.evicted.len(),
             self.pages_freed,
             self.slots_freed,
-            if self.fits { "True" } else { "False" },
-            self.pages.bind(py).as_bytes().len() / 4
+            if self.fits { "True" } else { "False" }
         )
     }
 }
 
-impl Room {
-    fn new(py: Python<'_>, r: plan::Room, pages: &[u32]) -> Self {
+impl From<plan::Room> for Room {
+    fn from(r: plan::Room) -> Self {
         Room {
             evicted: r.evicted,
             pages_freed: r.pages_freed,
             slots_freed: r.slots_freed,
             fits: r.fits,
-            pages: u32_bytes(py, pages).unbind(),
         }
     }
 }
@@ -793,17 +782,12 @@ impl Cache {
             min_slots: min_slots.map_or(Ok(2), |v| int_arg(v, "min_slots"))?,
         };
         let inner = guarded(|| CoreCache::new(cfg))?;
-        let py = page_tokens.py();
         let no_room_needed = Py::new(
-            py,
-            Room::new(
-                py,
-                plan::Room {
-                    fits: true,
-                    ..plan::Room::default()
-                },
-                &[],
-            ),
+            page_tokens.py(),
+            Room::from(plan::Room {
+                fits: true,
+                ..plan::Room::default()
+            }),
         )?;
         Ok(Cache {
             inner,
@@ -903,20 +887,22 @@ impl Cache {
         } else {
             guarded(|| Ok(inner.make_room(pages, slots, park)))?
         };
-        Py::new(py, Room::new(py, room, &[]))
+        Py::new(py, Room::from(room))
     }
 
-    /// `make_room(n, park=park)` and, when the room fits, `alloc_pages(n)`, in one call.
+    /// `make_room(n, park=park)` and, when the room fits, `alloc_pages(n)`, in one call:
+    /// `(pages, room)`, `pages` None when the room does not fit. A call that evicted nothing
+    /// returns the same `Room` object every time.
     #[pyo3(
         signature = (n, park = None),
         text_signature = "($self, n, park=True)"
     )]
-    fn take_pages(
+    fn take_pages<'py>(
         &mut self,
-        py: Python<'_>,
-        n: &Bound<'_, PyAny>,
-        park: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Room> {
+        py: Python<'py>,
+        n: &Bound<'py, PyAny>,
+        park: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(Option<Bound<'py, PyBytes>>, Py<Room>)> {
         let n: usize = int_arg(n, "n")?;
         let park = park.map_or(Ok(true), |v| bool_arg(v, "park"))?;
         let (inner, ids) = (&mut self.inner, &mut self.alloc_ids);
@@ -925,16 +911,22 @@ impl Cache {
         } else {
             guarded(|| inner.take_pages_into(n, park, ids))?
         };
-        let out = Room::new(py, room, ids);
+        let pages = room.fits.then(|| u32_bytes(py, ids));
         ids.clear();
-        Ok(out)
+        let room = if room.fits && room.evicted.is_empty() {
+            self.no_room_needed.clone_ref(py)
+        } else {
+            Py::new(py, Room::from(room))?
+        };
+        Ok((pages, room))
     }
 
     /// The end of a request: `insert(tokens, pages, state)`, `unlock(node)` and
-    /// `free_pages(free)` in one call, every check before any change.
+    /// `free_pages(free)` in one call, every check before any change. Positional arguments
+    /// cross faster than keywords (about 0.1 us less each, measured).
     #[pyo3(
-        signature = (tokens, pages, state = None, *, node = None, free = None),
-        text_signature = "($self, tokens, pages, state=None, *, node=None, free=b'')"
+        signature = (tokens, pages, state = None, node = None, free = None),
+        text_signature = "($self, tokens, pages, state=None, node=None, free=b'')"
     )]
     fn release(
         &mut self,
