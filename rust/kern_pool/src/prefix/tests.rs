@@ -790,3 +790,27 @@ fn take_pages_makes_room_then_allocates() {
     assert!(!room.fits && out.is_empty());
     c.check_integrity().unwrap();
 }
+
+#[test]
+fn kids_move_from_the_node_to_a_list_and_keep_their_places() {
+    use super::Kids;
+    let mut k = Kids::new();
+    for c in 10..16 {
+        k.push(c);
+        assert_eq!(k.last(), Some(&c));
+    }
+    assert!(matches!(k, Kids::Many(_)));
+    assert_eq!(&*k, &[10, 11, 12, 13, 14, 15]);
+    k.swap_remove(1);
+    assert_eq!(&*k, &[10, 15, 12, 13, 14]);
+    let mut few = Kids::one(7);
+    few.push(8);
+    few.push(9);
+    few.swap_remove(0);
+    assert_eq!(&*few, &[9, 8]);
+    few[1] = 3;
+    few.swap_remove(1);
+    assert_eq!(&*few, &[9]);
+    few.swap_remove(0);
+    assert!(few.is_empty());
+}
