@@ -230,6 +230,26 @@ def check_unchanged(c: kp.Cache, before: tuple) -> None:
         (lambda c, p: c.make_room(-1), kp.InvalidArgument, "pages: -1"),
         (lambda c, p: c.make_room(1, slots="2"), kp.InvalidArgument, "slots: must be an int"),
         (lambda c, p: c.make_room(1, park=1), kp.InvalidArgument, "park: must be a bool"),
+        (lambda c, p: c.take_pages(-1), kp.InvalidArgument, "n: -1"),
+        (lambda c, p: c.take_pages(1, park=0), kp.InvalidArgument, "park: must be a bool"),
+        (
+            lambda c, p: c.release(u32([9] * 4), u32(p[:1]), free=u32(p[:2])),
+            kp.RepeatedId,
+            "named more than once",
+        ),
+        (
+            lambda c, p: c.release(u32([9] * 4), u32(p[:1]), free=c._peek(u32(range(8))).pages),
+            kp.OwnedByCache,
+            "page",
+        ),
+        (lambda c, p: c.release(u32([9] * 4), u32(p[:1]), free=u32([60])), kp.NotAllocated, "60"),
+        (
+            lambda c, p: c.release(u32([9] * 4), u32(p[:1]), node=c._peek(u32(range(8))).node),
+            kp.NotLocked,
+            "not locked",
+        ),
+        (lambda c, p: c.release(u32([9] * 4), u32(p[:1]), node=-1), kp.InvalidArgument, "node"),
+        (lambda c, p: c.release(u32([9] * 4), u32(p[:1]), free=[1]), kp.NotU32, "free"),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(cache, call, error, words):
@@ -241,6 +261,38 @@ def test_bad_input_raises_and_changes_nothing(cache, call, error, words):
         call(cache, mine)
     check_unchanged(cache, before)
     assert [cache._peek(u32(q)).hit_len for q in (range(8), range(5), [9] * 8)] == peeks
+
+
+def test_take_pages_is_make_room_then_alloc(cache):
+    cached(cache, range(8))
+    pages, room = cache.take_pages(3)
+    assert (room.fits, room.evicted, len(ids(pages))) == (True, [], 3)
+    assert cache.take_pages(0)[1] is room  # evicting nothing: the same Room every time
+    everyone_else = cache.alloc_pages(cache.pages_free)
+    pages, room = cache.take_pages(2, park=False)  # only the cached entry's 2 pages can be had
+    assert (room.fits, room.pages_freed, len(room.evicted)) == (True, 2, 1)
+    assert len(set(ids(pages))) == 2
+    pages, room = cache.take_pages(1)  # nothing left to evict: nothing allocated
+    assert (pages, room.fits, room.evicted) == (None, False, [])
+    cache.free_pages(everyone_else)
+    cache.check_integrity()
+
+
+def test_release_is_insert_unlock_and_free(cache):
+    cached(cache, range(8))
+    key = u32(range(12))
+    m = cache.match(key)
+    own = ids(cache.alloc_pages(3))  # the key's third page and two past the key
+    pages = ids(m.pages) + own[:1]
+    used = cache.stats().pages_used
+    ins = cache.release(key, u32(pages), None, m.node, u32(own[1:]))
+    assert (ins.held, ins.woken) == (8, 0)
+    s = cache.stats()
+    assert (s.pages_used, s.resident_pages) == (used - 2, 3)
+    with pytest.raises(kp.NotLocked):  # the lock went with the release
+        cache.unlock(m.node)
+    assert len(cache.make_room(everything(cache), park=False).evicted) == 2
+    cache.check_integrity()
 
 
 def test_numpy_integers_are_ints(cache):

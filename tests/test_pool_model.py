@@ -573,14 +573,23 @@ class CacheMachine(RuleBasedStateMachine):
         hit = min(hit, m.resident_len)
         shared = ids(m.pages)[: hit // pt]
         need = -(-len(tokens) // pt) - len(shared)
-        self.room(need, int(snapshot))
         own, slot = [], None
-        try:
-            own = ids(cache.alloc_pages(need))
-            if snapshot:
+        if snapshot:
+            self.room(need, 1)
+            try:
+                own = ids(cache.alloc_pages(need))
                 slot = cache.alloc_slot()
-        except kp.PoolFull:
-            cache.free_pages(u32(own))
+            except kp.PoolFull:
+                cache.free_pages(u32(own))
+                own = None
+        else:
+            # Room and pages in one call, as the scheduler takes them.
+            pages, room = cache.take_pages(need)
+            model.evicted(room)
+            assert (pages is not None) == room.fits
+            own = None if pages is None else ids(pages)
+            assert len(own or []) == (need if room.fits else 0)
+        if own is None:
             if node is not None:
                 cache.unlock(node)
                 model.unlock(node)
@@ -592,11 +601,25 @@ class CacheMachine(RuleBasedStateMachine):
         self.requests.append(Request(tokens, node, shared + own, own, slot, snapshot))
 
     @precondition(lambda self: self.requests)
-    @rule(i=st.integers(0, 2))
-    def finish(self, i):
+    @rule(i=st.integers(0, 2), fused=st.booleans())
+    def finish(self, i, fused):
+        """Insert, unlock: one after the other, or fused in one `release` that also frees a
+        page the request holds past its key, if one can be had."""
         r = self.requests.pop(i % len(self.requests))
         cache, model = self.cache, self.model
-        ins = cache.insert(u32(r.tokens), u32(r.pages), r.slot)
+        if fused:
+            extra = ids(cache.alloc_pages(1)) if cache.pages_free else []
+            if extra and r.node is not None:
+                # A page named twice is refused, changing nothing.
+                self.refused(
+                    lambda: cache.release(
+                        u32(r.tokens), u32(r.pages), r.slot, r.node, u32(extra * 2)
+                    ),
+                    kp.RepeatedId,
+                )
+            ins = cache.release(u32(r.tokens), u32(r.pages), r.slot, r.node, u32(extra))
+        else:
+            ins = cache.insert(u32(r.tokens), u32(r.pages), r.slot)
         held, woken, freed = model.insert(r.tokens, r.pages, r.slot)
         assert (ins.held, ins.woken) == (held, woken)
         for p in freed:
@@ -605,7 +628,8 @@ class CacheMachine(RuleBasedStateMachine):
             else:
                 model.dev_slot.pop(-1 - p)
         if r.node is not None:
-            cache.unlock(r.node)
+            if not fused:
+                cache.unlock(r.node)
             model.unlock(r.node)
         # The request's whole key hits now (or, with no snapshot at its end, a deeper one on a
         # short sibling), and what it held is the tree's or free.

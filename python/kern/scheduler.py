@@ -82,7 +82,7 @@ import numpy as np
 from kern.batch import SeqChunk
 from kern.metrics import Metrics
 from kern.ngram import NgramDrafter
-from kern.pool import Cache, Evicted, Match, PoolFull
+from kern.pool import Cache, Evicted, Match, PoolFull, Room
 from kern.runner import Runner
 from kern.sampler import Context, LogprobEntry, SamplingParams, TokenLog, logprobs, sample
 
@@ -367,9 +367,13 @@ class Scheduler:
         """Evict until ``pages`` pages and ``slots`` slots can be allocated together (as far
         as the tree can go) and land what was parked, before anything is allocated again.
         True when they can."""
+        return self._land(self.cache.make_room(pages, slots=slots))
+
+    def _land(self, room: Room) -> bool:
+        """Count what ``room``'s eviction loop took and land what it parked, before any page
+        it freed is written. True when the room asked for is there."""
         m = self.metrics
         plans = []
-        room = self.cache.make_room(pages, slots=slots)
         for ev in room.evicted:
             match ev:
                 case Evicted.Parked(_, plan, dropped):
@@ -388,9 +392,9 @@ class Scheduler:
     def _alloc_pages(self, n: int) -> list[int] | None:
         if n <= 0:
             return []
-        if not self._make_room(n):
-            return None
-        return _ids(self.cache.alloc_pages(n))
+        pages, room = self.cache.take_pages(n)  # make room and allocate, in one call
+        self._land(room)
+        return None if pages is None else _ids(pages)
 
     def _alloc_slot(self) -> int | None:
         if not self._make_room(0, slots=1):
@@ -419,23 +423,18 @@ class Scheduler:
         n = req.num_computed
         num_pages = -(-n // self.pt)
         keep, extra = req.block_table[:num_pages], req.block_table[num_pages:]
-        if req.node is not None:
-            cache.unlock(req.node)
-            req.node = None
+        node, req.node = req.node, None
         slot = req.slot
-        if n > 0:
-            state = slot if (snapshot and slot is not None) else None
-            # The tree takes what it lacks and frees the rest: the request's duplicate pages,
-            # and the slot when it already holds a snapshot at this length.
-            ins = cache.insert(_u32(req.tokens[:n]), _u32(keep), state)
-            if ins.woken:
-                self.metrics.woken.inc(ins.woken)
-            if state is not None:
-                slot = None
-        elif keep:
-            cache.free_pages(_u32(keep))
-        if extra:
-            cache.free_pages(_u32(extra))
+        state = slot if (n > 0 and snapshot and slot is not None) else None
+        # One call: the tree takes what it lacks and frees the rest (the request's duplicate
+        # pages, and the slot when it already holds a snapshot at this length), the match's
+        # lock is released and the pages past the computed tokens are freed. (With nothing
+        # computed, `keep` is empty and the insert of an empty key changes nothing.)
+        ins = cache.release(_u32(req.tokens[:n]), _u32(keep), state, node, _u32(extra))
+        if ins.woken:
+            self.metrics.woken.inc(ins.woken)
+        if state is not None:
+            slot = None
         if slot is not None:
             cache.free_slot(slot)
         req.slot = None

@@ -13,11 +13,12 @@ request holds its lock and its pages while others run. The device holds 20% of t
 tokens (or, if more, what the requests in flight can hold at once).
 
 Each request is replayed as kern's scheduler drives the cache. At its start: ``match`` the
-prompt (locked), make room for the rest of the prompt's pages, allocate them. At its end: make
-room for the answer's pages, allocate them, ``insert`` the whole pages of prompt + answer
-(duplicates freed by the tree), free the partial last page, unlock. The Python tree does the
-same with its own free list. Both start from the same page capacity and must report the same
-hit length for every request and the same number of evictions: the run fails otherwise.
+prompt (locked), then ``take_pages`` for the rest of the prompt (make room and allocate, one
+call). At its end: ``take_pages`` for the answer, then ``release``: insert the whole pages of
+prompt + answer (duplicates freed by the tree), free the partial last page and unlock, one
+call. The Python tree does the same combined operations with its own free list. Both start
+from the same page capacity and must report the same hit length for every request and the
+same number of evictions: the run fails otherwise.
 
 Timings are the cache calls of each request (building keys from the trace is not counted), one
 implementation after the other, ``--runs`` times each (alternating) at the largest size and
@@ -132,8 +133,8 @@ class Run:
     seconds: float = 0.0
     hits: list[int] = field(default_factory=list)
     match_us: list[float] = field(default_factory=list)
-    insert_us: list[float] = field(default_factory=list)
-    evict_us: list[float] = field(default_factory=list)
+    release_us: list[float] = field(default_factory=list)
+    take_us: list[float] = field(default_factory=list)
     evicted: int = 0
     nodes: int = 0
 
@@ -144,7 +145,7 @@ def replay_kern(t: Trace, pt: int, budget: int) -> Run:
     run = Run("kern")
     hits = [0] * len(t.req_session)
     state: dict[int, tuple] = {}
-    match_ns, insert_ns, evict_ns = [], [], []
+    match_ns, release_ns, take_ns = [], [], []
     busy = 0
     for kind, r in t.ops:
         tokens = t.sessions[t.req_session[r]]
@@ -156,14 +157,13 @@ def replay_kern(t: Trace, pt: int, budget: int) -> Run:
             m = cache.match(prompt)
             t1 = clock()
             need = -(-len(prompt) // pt) - m.hit_len // pt
-            room = cache.make_room(need)
+            own, room = cache.take_pages(need)
+            block = m.pages + own
             t2 = clock()
-            block = m.pages + cache.alloc_pages(need)
-            t3 = clock()
             match_ns.append(t1 - t0)
-            if room.evicted:
-                evict_ns.append(t2 - t1)
-            busy += t3 - t0
+            if room.pages_freed:
+                take_ns.append(t2 - t1)
+            busy += t2 - t0
             hits[r] = m.hit_len
             state[r] = (m.node, block)
         else:
@@ -173,29 +173,23 @@ def replay_kern(t: Trace, pt: int, budget: int) -> Run:
             key = tokens[: full_len // pt * pt].copy()
             t0 = clock()
             need = -(-full_len // pt) - len(block) // 4
-            room = cache.make_room(need)
+            own, room = cache.take_pages(need)
+            block += own
             t1 = clock()
-            block += cache.alloc_pages(need)
+            cache.release(key, block[:whole], None, node, block[whole:])
             t2 = clock()
-            cache.insert(key, block[:whole])
-            t3 = clock()
-            if len(block) > whole:
-                cache.free_pages(block[whole:])
-            if node is not None:
-                cache.unlock(node)
-            t4 = clock()
-            if room.evicted:
-                evict_ns.append(t1 - t0)
-            insert_ns.append(t3 - t2)
-            busy += t4 - t0
+            if room.pages_freed:
+                take_ns.append(t1 - t0)
+            release_ns.append(t2 - t1)
+            busy += t2 - t0
     cache.check_integrity()
     s = cache.stats()
     assert s.pages_used == s.resident_pages, "pages left outside the tree"
     run.seconds = busy / 1e9
     run.hits = hits
     run.match_us = [x / 1e3 for x in match_ns]
-    run.insert_us = [x / 1e3 for x in insert_ns]
-    run.evict_us = [x / 1e3 for x in evict_ns]
+    run.release_us = [x / 1e3 for x in release_ns]
+    run.take_us = [x / 1e3 for x in take_ns]
     run.evicted = s.num_dropped_resident
     run.nodes = s.num_nodes
     return run
@@ -208,7 +202,7 @@ def replay_python(t: Trace, pt: int, budget: int) -> Run:
     run = Run("python")
     hits = [0] * len(t.req_session)
     state: dict[int, tuple] = {}
-    match_ns, insert_ns, evict_ns = [], [], []
+    match_ns, release_ns, take_ns = [], [], []
     busy = 0
     keys = [s.tobytes() for s in t.sessions]  # the key bytes are built once, untimed
     for kind, r in t.ops:
@@ -219,14 +213,13 @@ def replay_python(t: Trace, pt: int, budget: int) -> Run:
             m = tree.match(prompt)
             t1 = clock()
             need = -(-len(prompt) // (4 * pt)) - m.hit_len // pt
-            evicted = tree.make_room(need)
+            own, evicted = tree.take_pages(need)
+            block = m.pages + own
             t2 = clock()
-            block = m.pages + tree.alloc_pages(need)
-            t3 = clock()
             match_ns.append(t1 - t0)
             if evicted:
-                evict_ns.append(t2 - t1)
-            busy += t3 - t0
+                take_ns.append(t2 - t1)
+            busy += t2 - t0
             hits[r] = m.hit_len
             state[r] = (m.node, m.hit_len, block)
         else:
@@ -236,27 +229,21 @@ def replay_python(t: Trace, pt: int, budget: int) -> Run:
             key = tokens[: 4 * whole * pt]
             t0 = clock()
             need = -(-full_len // pt) - len(block)
-            evicted = tree.make_room(need)
+            own, evicted = tree.take_pages(need)
+            block += own
             t1 = clock()
-            block += tree.alloc_pages(need)
+            tree.release(key, block[:whole], hit, node, block[whole:])
             t2 = clock()
-            held = tree.insert(key, block[:whole])
-            tree.free_pages(block[hit // pt : held // pt])  # our copies of what it held
-            t3 = clock()
-            tree.free_pages(block[whole:])
-            if node is not None:
-                tree.unlock(node)
-            t4 = clock()
             if evicted:
-                evict_ns.append(t1 - t0)
-            insert_ns.append(t3 - t2)
-            busy += t4 - t0
+                take_ns.append(t1 - t0)
+            release_ns.append(t2 - t1)
+            busy += t2 - t0
     assert len(tree.free) + tree.cached_pages == num_pages, "pages lost"
     run.seconds = busy / 1e9
     run.hits = hits
     run.match_us = [x / 1e3 for x in match_ns]
-    run.insert_us = [x / 1e3 for x in insert_ns]
-    run.evict_us = [x / 1e3 for x in evict_ns]
+    run.release_us = [x / 1e3 for x in release_ns]
+    run.take_us = [x / 1e3 for x in take_ns]
     run.evicted = tree.num_evicted
     run.nodes = tree.num_nodes
     return run
@@ -334,8 +321,8 @@ def main(argv: list[str] | None = None) -> None:
         "tree",
         "req/s",
         "match us (mean / p99)",
-        "insert us (mean / p99)",
-        "evict us (mean / p99)",
+        "release us (mean / p99)",
+        "evicting take_pages us (mean / p99)",
         "hit rate",
         "evictions",
         "nodes",
@@ -348,8 +335,8 @@ def main(argv: list[str] | None = None) -> None:
             name,
             f"{rps:,.0f}",
             stat(r.match_us),
-            stat(r.insert_us),
-            stat(r.evict_us),
+            stat(r.release_us),
+            stat(r.take_us),
             f"{hit_rate:.4f}",
             f"{r.evicted:,}",
             f"{r.nodes:,}",

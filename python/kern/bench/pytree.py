@@ -18,7 +18,8 @@ of several children it reads the one used last. It refreshes and locks only that
 insert walks the same way, splits where the key leaves the tree and hangs the rest as one new
 leaf; it refreshes the key's path and reports how many tokens the tree already held. Eviction
 takes the unlocked leaf used longest ago (ties: deeper first), whole, until the room asked for
-is there. One logical clock tick per operation.
+is there. One logical clock tick per operation. `take_pages` and `release` combine the calls a
+request makes back to back, as kern's `Cache` does.
 """
 
 from __future__ import annotations
@@ -215,6 +216,27 @@ class Tree:
             if x.lock == 0:
                 self._offer(x)
             x = x.parent
+
+    def take_pages(self, n: int) -> tuple[list[int] | None, int]:
+        """`make_room(n)` and, when `n` pages are free, `alloc_pages(n)`: (the pages or None,
+        entries evicted)."""
+        taken = self.make_room(n)
+        if n > len(self.free):
+            return None, taken
+        return self.alloc_pages(n), taken
+
+    def release(
+        self, key: bytes, pages: list[int], hit: int, node: Node | None, free: list[int]
+    ) -> int:
+        """The end of a request: `insert`, free the caller's copies of what the tree held past
+        the match's `hit` (tokens) and the pages in `free`, and unlock `node`; returns the
+        tokens the tree held."""
+        held = self.insert(key, pages)
+        self.free.extend(pages[hit // self.pt : held // self.pt])
+        self.free.extend(free)
+        if node is not None:
+            self.unlock(node)
+        return held
 
     def insert(self, key: bytes, pages: list[int]) -> int:
         """Give the key (whole pages) and its pages to the tree; returns the tokens it held.

@@ -108,6 +108,57 @@ impl Cache {
             .insert(&mut self.pool, self.host.as_mut(), tokens, pages, state)
     }
 
+    /// The end of a request in one call: `insert(tokens, pages, state)`, release the lock its
+    /// match took on `node`, and free `free` (the request's own pages past the key). Every
+    /// check (the handle locked, each page of `pages` and `free` the tree's at its place or the
+    /// caller's, named once) runs before anything changes.
+    pub fn release(
+        &mut self,
+        tokens: &[u32],
+        pages: &[u32],
+        state: Option<SlotId>,
+        node: Option<NodeId>,
+        free: &[u32],
+    ) -> Result<Inserted> {
+        if let Some(node) = node {
+            self.prefix.check_unlock(node)?;
+        }
+        let r = self.prefix.insert_and_free(
+            &mut self.pool,
+            self.host.as_mut(),
+            tokens,
+            pages,
+            state,
+            free,
+        )?;
+        if let Some(node) = node {
+            // An insert removes no node and keeps every handle's own locks.
+            self.prefix
+                .unlock(node)
+                .map_err(|e| KernError::Corrupt(format!("unlock after a checked insert: {e}")))?;
+        }
+        Ok(r)
+    }
+
+    /// `make_room(n, 0, park)`, then, when `n` pages fit, allocate them into `out` (cleared
+    /// first; left empty when they do not fit, as `Room::fits` says): one call where a
+    /// scheduler makes room only to allocate.
+    pub fn take_pages_into(&mut self, n: usize, park: bool, out: &mut Vec<u32>) -> Result<Room> {
+        out.clear();
+        let room = if self.pool.fits(n as u64, 0) {
+            Room {
+                fits: true,
+                ..Room::default()
+            }
+        } else {
+            self.make_room(n as u64, 0, park)
+        };
+        if room.fits {
+            self.pool.alloc_into(Kind::Pages, n, out)?;
+        }
+        Ok(room)
+    }
+
     /// Evict until `pages` pages and `slots` slots can be allocated together.
     pub fn make_room(&mut self, pages: u64, slots: u64, park: bool) -> Room {
         self.prefix

@@ -784,12 +784,10 @@ impl Cache {
         let inner = guarded(|| CoreCache::new(cfg))?;
         let no_room_needed = Py::new(
             page_tokens.py(),
-            Room {
-                evicted: Vec::new(),
-                pages_freed: 0,
-                slots_freed: 0,
+            Room::from(plan::Room {
                 fits: true,
-            },
+                ..plan::Room::default()
+            }),
         )?;
         Ok(Cache {
             inner,
@@ -884,12 +882,95 @@ impl Cache {
             return Ok(self.no_room_needed.clone_ref(py));
         }
         let inner = &mut self.inner;
-        let room: Room = if pages >= DETACH_PAGES {
-            detached(py, || Ok(inner.make_room(pages, slots, park)))?.into()
+        let room = if pages >= DETACH_PAGES {
+            detached(py, || Ok(inner.make_room(pages, slots, park)))?
         } else {
-            guarded(|| Ok(inner.make_room(pages, slots, park)))?.into()
+            guarded(|| Ok(inner.make_room(pages, slots, park)))?
         };
-        Py::new(py, room)
+        Py::new(py, Room::from(room))
+    }
+
+    /// `make_room(n, park=park)` and, when the room fits, `alloc_pages(n)`, in one call:
+    /// `(pages, room)`, `pages` None when the room does not fit. A call that evicted nothing
+    /// returns the same `Room` object every time.
+    #[pyo3(
+        signature = (n, park = None),
+        text_signature = "($self, n, park=True)"
+    )]
+    fn take_pages<'py>(
+        &mut self,
+        py: Python<'py>,
+        n: &Bound<'py, PyAny>,
+        park: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(Option<Bound<'py, PyBytes>>, Py<Room>)> {
+        let n: usize = int_arg(n, "n")?;
+        let park = park.map_or(Ok(true), |v| bool_arg(v, "park"))?;
+        let (inner, ids) = (&mut self.inner, &mut self.alloc_ids);
+        let room = if n as u64 >= DETACH_PAGES {
+            detached(py, || inner.take_pages_into(n, park, ids))?
+        } else {
+            guarded(|| inner.take_pages_into(n, park, ids))?
+        };
+        let pages = room.fits.then(|| u32_bytes(py, ids));
+        ids.clear();
+        let room = if room.fits && room.evicted.is_empty() {
+            self.no_room_needed.clone_ref(py)
+        } else {
+            Py::new(py, Room::from(room))?
+        };
+        Ok((pages, room))
+    }
+
+    /// The end of a request: `insert(tokens, pages, state)`, `unlock(node)` and
+    /// `free_pages(free)` in one call, every check before any change. Positional arguments
+    /// cross faster than keywords (about 0.1 us less each, measured).
+    #[pyo3(
+        signature = (tokens, pages, state = None, node = None, free = None),
+        text_signature = "($self, tokens, pages, state=None, node=None, free=b'')"
+    )]
+    fn release(
+        &mut self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        state: Option<&Bound<'_, PyAny>>,
+        node: Option<&Bound<'_, PyAny>>,
+        free: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Inserted> {
+        let tokens = read_u32(py, tokens, "tokens")?;
+        let pages = read_u32(py, pages, "pages")?;
+        let free = match free {
+            Some(f) => read_u32(py, f, "free")?,
+            None => U32s::owned(Vec::new()),
+        };
+        let state = state.map(|s| int_arg(s, "state")).transpose()?.map(SlotId);
+        let node = node
+            .map(|n| int_arg(n, "node"))
+            .transpose()?
+            .map(NodeId::from_u64);
+        let inner = &mut self.inner;
+        let r = if tokens.len() >= DETACH_TOKENS {
+            let (tokens, pages, free) = (
+                tokens.as_slice().to_vec(),
+                pages.as_slice().to_vec(),
+                free.as_slice().to_vec(),
+            );
+            detached(py, || inner.release(&tokens, &pages, state, node, &free))?
+        } else {
+            guarded(|| {
+                inner.release(
+                    tokens.as_slice(),
+                    pages.as_slice(),
+                    state,
+                    node,
+                    free.as_slice(),
+                )
+            })?
+        };
+        Ok(Inserted {
+            held: r.held,
+            woken: r.woken,
+        })
     }
 
     fn wake(&mut self, py: Python<'_>, node: &Bound<'_, PyAny>) -> PyResult<Woken> {

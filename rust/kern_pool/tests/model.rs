@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use kern_pool::{Cache, CacheConfig, EntryKey, Evicted, KernError};
+use kern_pool::{Cache, CacheConfig, EntryKey, Evicted, KernError, PageId};
 use proptest::prelude::*;
 
 /// What a page or slot holds: the tokens written into it (pages) or the prefix a state
@@ -223,6 +223,9 @@ enum Op {
         base: usize,
         extra: Vec<u32>,
         snapshot: bool,
+        /// Pages by `take_pages_into` (one more than the key needs) and the end by `release`
+        /// (which frees that page), instead of make_room + alloc and insert + unlock.
+        fused: bool,
     },
     MakeRoom {
         pages: u64,
@@ -232,8 +235,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0usize..4, prop::collection::vec(0u32..3, 0..24), any::<bool>())
-            .prop_map(|(base, extra, snapshot)| Op::Request { base, extra, snapshot }),
+        4 => (0usize..4, prop::collection::vec(0u32..3, 0..24), any::<bool>(), any::<bool>())
+            .prop_map(|(base, extra, snapshot, fused)| Op::Request { base, extra, snapshot, fused }),
         1 => (0u64..40, any::<bool>()).prop_map(|(pages, park)| Op::MakeRoom { pages, park }),
     ]
 }
@@ -286,6 +289,7 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                 base,
                 extra,
                 snapshot,
+                fused,
             } => {
                 let mut tokens = bases[base].clone();
                 tokens.extend(extra);
@@ -357,10 +361,29 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                 let shared = hit / pt;
                 let total = tokens.len().div_ceil(pt);
                 let need = (total - shared) as u64 + u64::from(snapshot);
-                let room = cache.make_room(need, u64::from(snapshot), true);
-                check_order(&mut recency, &room.evicted);
-                land(&mut mem, &mut counts, room.evicted);
-                let Ok(fresh) = cache.alloc_pages(total - shared) else {
+                let fused = fused && !snapshot;
+                let mut past = Vec::new(); // a page past the key (fused only), freed at the end
+                let fresh = if fused {
+                    let mut out = Vec::new();
+                    let room = cache
+                        .take_pages_into(total - shared + 1, true, &mut out)
+                        .unwrap();
+                    assert_eq!(out.len(), if room.fits { total - shared + 1 } else { 0 });
+                    check_order(&mut recency, &room.evicted);
+                    land(&mut mem, &mut counts, room.evicted);
+                    past = out.split_off(out.len().saturating_sub(1));
+                    if room.fits {
+                        Ok(out.into_iter().map(PageId).collect::<Vec<_>>())
+                    } else {
+                        Err(())
+                    }
+                } else {
+                    let room = cache.make_room(need, u64::from(snapshot), true);
+                    check_order(&mut recency, &room.evicted);
+                    land(&mut mem, &mut counts, room.evicted);
+                    cache.alloc_pages(total - shared).map_err(|_| ())
+                };
+                let Ok(fresh) = fresh else {
                     if let Some(node) = m.node {
                         cache.unlock(node).unwrap();
                     }
@@ -392,19 +415,26 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                 };
                 // The tree takes what it lacks and frees the rest: every page and the slot are
                 // the tree's or free afterwards.
-                let ins = cache.insert(&tokens, &pages, state).unwrap();
+                let ins = if fused {
+                    // One call: insert, unlock the match's lock, free the page past the key.
+                    cache
+                        .release(&tokens, &pages, state, m.node, &past)
+                        .unwrap()
+                } else {
+                    cache.insert(&tokens, &pages, state).unwrap()
+                };
                 assert!(ins.held as usize >= hit);
                 if let Some(r) = recency.as_mut() {
                     r.insert(&tokens, state.is_some());
                     r.lock(&locked, -1);
                 }
-                for p in &pages {
+                for p in pages.iter().chain(&past) {
                     assert!(
                         cache.owns_page(*p) || cache.free_pages(&[*p]).is_err(),
                         "page {p} neither the tree's nor free"
                     );
                 }
-                if let Some(node) = m.node {
+                if let (Some(node), false) = (m.node, fused) {
                     cache.unlock(node).unwrap();
                 }
                 // The request's own tokens now hit in full, unless (no snapshot at their end)

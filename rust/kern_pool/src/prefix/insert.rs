@@ -28,10 +28,25 @@ impl Prefix {
     pub fn insert(
         &mut self,
         pool: &mut Pool,
+        host: Option<&mut Host>,
+        tokens: &[u32],
+        pages: &[u32],
+        snapshot: Option<SlotId>,
+    ) -> Result<Inserted> {
+        self.insert_and_free(pool, host, tokens, pages, snapshot, &[])
+    }
+
+    /// `insert`, then free `free`: more of the caller's own pages (a request's pages past the
+    /// key). They are checked with the key's pages before anything changes: allocated, not the
+    /// tree's, and named once across `pages` and `free`, or an error naming the page.
+    pub fn insert_and_free(
+        &mut self,
+        pool: &mut Pool,
         mut host: Option<&mut Host>,
         tokens: &[u32],
         pages: &[u32],
         snapshot: Option<SlotId>,
+        free: &[u32],
     ) -> Result<Inserted> {
         let pt = self.page_tokens as usize;
         let total = tokens.len();
@@ -60,7 +75,7 @@ impl Prefix {
             }
         }
         let w = self.walk_longest(tokens);
-        self.check_pages(pool, &w, total, pages)?;
+        self.check_pages(pool, &w, total, pages, free)?;
 
         let mut dups: Vec<u32> = Vec::new();
         let mut woken = 0u32;
@@ -189,6 +204,8 @@ impl Prefix {
         }
         pool.free(Kind::Pages, &dups)
             .map_err(|e| KernError::Corrupt(format!("freeing checked duplicates: {e}")))?;
+        pool.free(Kind::Pages, free)
+            .map_err(|e| KernError::Corrupt(format!("freeing checked pages: {e}")))?;
         if node != ROOT {
             self.touch_up(node);
         }
@@ -201,8 +218,15 @@ impl Prefix {
 
     /// Every page must be the tree's own page at its place on the walk (and the tree must hold
     /// every token the caller has in it), or the caller's: allocated, not the tree's, named
-    /// once.
-    fn check_pages(&mut self, pool: &Pool, w: &Walk, total: usize, pages: &[u32]) -> Result<()> {
+    /// once. Every page of `free` must be the caller's too, named once across both lists.
+    fn check_pages(
+        &mut self,
+        pool: &Pool,
+        w: &Walk,
+        total: usize,
+        pages: &[u32],
+        free: &[u32],
+    ) -> Result<()> {
         let pt = self.page_tokens as usize;
         let mut own = Own {
             pool,
@@ -255,6 +279,9 @@ impl Prefix {
         }
         if result.is_ok() {
             result = own.check_run(&pages[g..]);
+        }
+        if result.is_ok() {
+            result = own.check_run(free);
         }
         // Clear the marks: only the caller's own pages were marked, in the words listed.
         for &w in own.marked.iter() {

@@ -642,3 +642,175 @@ fn page_checks_over_runs_name_the_first_bad_id() {
     assert_eq!(c.insert(&tokens, &mine, None).unwrap().held, 0);
     c.check_integrity().unwrap();
 }
+
+/// `release` does what `insert`, `unlock` and `free_pages` do one after the other.
+#[test]
+fn release_is_insert_unlock_and_free_in_one_call() {
+    let one = |c: &mut Cache, key: &[u32], answer: usize, fused: bool| -> u32 {
+        let m = c.match_prefix(key);
+        let shared = (m.resident_len / PT) as usize;
+        let need = key.len().div_ceil(PT as usize) + answer - shared;
+        let mut pages: Vec<u32> = m.pages[..shared].iter().map(|p| p.0).collect();
+        pages.extend(c.alloc_pages(need).unwrap().into_iter().map(|p| p.0));
+        let whole = key.len().div_ceil(PT as usize);
+        let (keep, extra) = pages.split_at(whole);
+        let held = if fused {
+            c.release(key, keep, None, m.node, extra).unwrap().held
+        } else {
+            let held = c.insert(key, keep, None).unwrap().held;
+            if let Some(n) = m.node {
+                c.unlock(n).unwrap();
+            }
+            c.free_pages(extra).unwrap();
+            held
+        };
+        c.check_integrity().unwrap();
+        held
+    };
+    let keys: [&[u32]; 4] = [
+        &[1, 2, 3, 4, 5, 6, 7, 8, 9],
+        &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+        &[1, 2, 3, 4, 0, 0],
+        &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17],
+    ];
+    let (mut a, mut b) = (cache(64, 0, false), cache(64, 0, false));
+    for (k, key) in keys.iter().enumerate() {
+        assert_eq!(
+            one(&mut a, key, k % 3, false),
+            one(&mut b, key, k % 3, true)
+        );
+        assert_eq!(a.stats(), b.stats());
+    }
+    assert_eq!(evict_all_order(&mut a), evict_all_order(&mut b));
+    assert_eq!(a.stats(), b.stats());
+}
+
+#[test]
+fn release_errors_change_nothing() {
+    let mut c = cache(64, 0, false);
+    put(&mut c, &[1, 2, 3, 4, 5, 6]);
+    let key = [1, 2, 3, 4, 5, 6, 7, 8];
+    let m = c.match_prefix(&key[..6]);
+    let node = m.node.unwrap();
+    let tree: Vec<u32> = m.pages.iter().map(|p| p.0).collect();
+    let mine: Vec<u32> = c.alloc_pages(3).unwrap().into_iter().map(|p| p.0).collect();
+    // The hit's last page is partial: the request writes past it in its own copy.
+    let pages = vec![tree[0], mine[0]];
+    let before = c.stats();
+    let stale = NodeId {
+        index: node.index,
+        generation: node.generation + 1,
+    };
+    let cases: Vec<(Option<NodeId>, Vec<u32>, KernError)> = vec![
+        (
+            Some(stale),
+            vec![mine[1]],
+            KernError::UnknownNode {
+                handle: stale.to_u64(),
+            },
+        ),
+        (
+            Some(node),
+            vec![mine[0]],
+            KernError::Repeated {
+                what: "page",
+                id: mine[0],
+            },
+        ),
+        (
+            Some(node),
+            vec![tree[1]],
+            KernError::OwnedByCache {
+                what: "page",
+                id: tree[1],
+            },
+        ),
+        (
+            Some(node),
+            vec![mine[1], mine[1]],
+            KernError::Repeated {
+                what: "page",
+                id: mine[1],
+            },
+        ),
+        (
+            Some(node),
+            vec![mine[2] + 1000],
+            KernError::NotAllocated {
+                what: "page",
+                id: mine[2] + 1000,
+            },
+        ),
+    ];
+    for (n, free, err) in cases {
+        assert_eq!(
+            c.release(&key, &pages, None, n, &free),
+            Err(err),
+            "{free:?}"
+        );
+        assert_eq!(c.stats(), before);
+        c.check_integrity().unwrap();
+    }
+    let ins = c
+        .release(&key, &pages, None, Some(node), &mine[1..])
+        .unwrap();
+    assert_eq!(ins.held, 6);
+    c.check_integrity().unwrap();
+    let s = c.stats();
+    assert_eq!(s.device.pages_used, s.tree.resident_pages);
+    // Its lock is gone: a second release of the same handle is refused, changing nothing.
+    let again = c.release(&[], &[], None, Some(node), &[]);
+    assert_eq!(
+        again,
+        Err(KernError::NotLocked {
+            handle: node.to_u64()
+        })
+    );
+    assert_eq!(c.stats(), s);
+}
+
+#[test]
+fn take_pages_makes_room_then_allocates() {
+    let mut c = cache(8, 0, false);
+    put(&mut c, &[1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]); // 3 pages cached
+    let mut out = Vec::new();
+    // Fits at once: nothing evicted.
+    let room = c.take_pages_into(5, true, &mut out).unwrap();
+    assert!(room.fits && room.evicted.is_empty());
+    assert_eq!(out.len(), 5);
+    c.free_pages(&out).unwrap();
+    // Needs the cached entry's pages: evicts it, then allocates.
+    let room = c.take_pages_into(8, true, &mut out).unwrap();
+    assert!(room.fits);
+    assert_eq!((room.evicted.len(), room.pages_freed), (1, 3));
+    assert_eq!(out.len(), 8);
+    c.check_integrity().unwrap();
+    // Cannot fit: nothing allocated, the list left empty.
+    let room = c.take_pages_into(1, true, &mut out).unwrap();
+    assert!(!room.fits && out.is_empty());
+    c.check_integrity().unwrap();
+}
+
+#[test]
+fn kids_move_from_the_node_to_a_list_and_keep_their_places() {
+    use super::Kids;
+    let mut k = Kids::new();
+    for c in 10..16 {
+        k.push(c);
+        assert_eq!(k.last(), Some(&c));
+    }
+    assert!(matches!(k, Kids::Many(_)));
+    assert_eq!(&*k, &[10, 11, 12, 13, 14, 15]);
+    k.swap_remove(1);
+    assert_eq!(&*k, &[10, 15, 12, 13, 14]);
+    let mut few = Kids::one(7);
+    few.push(8);
+    few.push(9);
+    few.swap_remove(0);
+    assert_eq!(&*few, &[9, 8]);
+    few[1] = 3;
+    few.swap_remove(1);
+    assert_eq!(&*few, &[9]);
+    few.swap_remove(0);
+    assert!(few.is_empty());
+}
