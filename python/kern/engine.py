@@ -13,6 +13,10 @@ Design notes
   model is loaded where it will be used (see ``kern.scheduler.start_scheduler``).
 * ``ops`` is the backend; a caller may pass its own (the reference path, or a failing one in
   the crash test) instead of threading flags through the layers.
+* A draft checkpoint (``draft = "path"``, kern.draft) is loaded here too, checked first (the
+  same tokenizer, a stateless family, KV that fits the target's page), and its runner views
+  the target runner's arena (``Runner.draft_runner``): no budget of its own, its pages are
+  the pool's, taken per request by the scheduler.
 * The cache's books are built before the weights are read when the budgets are known (a
   budget too small for one page is then an error at once, naming its key or flag); the CUDA
   default budget depends on the memory free after loading, so that one waits for the weights.
@@ -57,12 +61,18 @@ class Engine:
     layout: Layout
     cache: Cache
     runner: Runner
+    # The draft checkpoint's runner over the same pool pages, when the target names one.
+    draft: Runner | None = None
 
     @classmethod
     def load(cls, target: Target, *, ops: Ops | None = None) -> Engine:
         """Pin the thread count, load ``target``'s checkpoint, size the arenas from its
         budgets and build the runner over them (on ``ops``, default: the target's device).
         A target with ``ranks`` above 1 is loaded by every rank (``kern.ranks``)."""
+        if target.draft_checkpoint is not None:
+            from kern.targets import check_draft_target
+
+            check_draft_target(target, load_config(target.checkpoint))
         if target.ranks > 1:
             from kern.ranks import load_engine
 
@@ -82,7 +92,22 @@ class Engine:
             Geometry.of_pool(cache.device),
             None if host is None else Geometry.of_pool(host),
         )
-        return cls(target, ckpt, layout, cache, runner)
+        draft = None
+        if target.draft_checkpoint is not None:
+            from kern.draft import draft_layout
+
+            draft_ckpt = load_checkpoint(
+                target.draft_checkpoint, device=ops.device, dtype=ops.dtype
+            )
+            draft_lay = draft_layout(
+                draft_ckpt.config,
+                ops.dtype,
+                layout.page_bytes,
+                target.page_tokens,
+                target.where("draft"),
+            )
+            draft = runner.draft_runner(draft_ckpt, draft_lay)
+        return cls(target, ckpt, layout, cache, runner, draft)
 
     def scheduler(
         self,
@@ -103,6 +128,7 @@ class Engine:
             deliver=deliver,
             metrics=metrics,
             on_crash=on_crash,
+            draft=self.draft,
             **limits,
         )
 
