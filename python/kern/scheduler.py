@@ -45,6 +45,16 @@ Design notes
   (``Runner.keep_rows``), so nothing rejected or unsent is ever read, and the request-end
   snapshot sits where rows 1 puts it. Drafts use only the step budget the decode rows leave,
   never past ``max_tokens``, and a request with a grammar decodes one row at a time.
+* Draft checkpoints (``draft``, kern.draft): after the step is planned, the draft model runs
+  for the requests that draft: one forward of catch-up chunks (every token its KV lacks: the
+  prompt at the first decode step, then what the last verify accepted, counted in the step
+  budget with the drafts), then ``rows - 2`` one-row steps, batched, greedy. Its pages are
+  pool pages (``draft_table``), taken with the same make-room calls but never by preempting:
+  a request that cannot have them decodes one row that step. A target allocation that fails
+  drops every running request's draft pages before it preempts anyone (``_drop_drafts``),
+  so draft memory can never deadlock the target's. The pages are freed in ``_release`` (end,
+  abort, preemption) and never inserted into the tree. After a verify, ``draft_computed``
+  keeps the accepted drafts the draft itself computed (all but its last).
 * Preemption: a decode that needs a page when nothing is evictable preempts the youngest
   running request. Its computed tokens and pages go into the prefix tree (with its state, on a
   stateful model), it unlocks, and it goes back to the head of the queue. The tree's make-room
