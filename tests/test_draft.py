@@ -177,6 +177,21 @@ def test_a_tight_pool_serves_every_request_identically(tiny_dir, draft_dir):
     h = fresh(engine, rows=5)
     total = engine.cache.stats().pages_free
     assert total < 64, total
+    seen = {"dropped": 0, "refused": 0}
+    drop, alloc = h.sched._drop_drafts, h.sched._alloc_draft_pages
+
+    def counted_drop() -> bool:
+        dropped = drop()
+        seen["dropped"] += dropped
+        return dropped
+
+    def counted_alloc(n: int):
+        pages = alloc(n)
+        seen["refused"] += pages is None
+        return pages
+
+    h.sched._drop_drafts = counted_drop
+    h.sched._alloc_draft_pages = counted_alloc
     reqs = [h.submit(prompt(70 + i, 9 + 5 * i), 60, ignore_eos=True) for i in range(8)]
     most = 0
     while h.open:
@@ -185,6 +200,9 @@ def test_a_tight_pool_serves_every_request_identically(tiny_dir, draft_dir):
     for r in reqs:
         h.assert_identical(r)
     assert most > 0 and spec_counts(h)[1] > 0
+    # Both rules ran: draft pages given up for target pages, and drafting skipped for want
+    # of pages.
+    assert seen["dropped"] > 0 and seen["refused"] > 0, seen
     h.assert_idle_and_clean()
 
 
