@@ -169,6 +169,39 @@ def test_draft_pages_come_from_the_pool_and_go_back(engines):
     assert engine.cache.stats().pages_free == start
 
 
+def test_the_drafts_prefill_counts_against_the_step_budget(engines):
+    """max_step_tokens 8: a 40-token prompt's draft prefill is done over several steps (the
+    request decodes one row meanwhile), what the draft computes in a step staying within the
+    budget; the answers are the rows-1 answers."""
+    engine = engines("qwen3")
+    h = fresh(engine, rows=5, max_step_tokens=8)
+    reqs = [h.submit(prompt(80 + i, 40), 30, ignore_eos=True) for i in range(2)]
+    forward = h.sched.draft.forward
+    sizes: list[int] = []
+
+    def counted(batch):
+        sizes.append(sum(len(c.token_ids) for c in batch))
+        return forward(batch)
+
+    h.sched.draft.forward = counted
+    partial = set()
+    try:
+        while h.open:
+            sizes.clear()
+            h.step()
+            # The first draft forward of a step is the catch-up (each later one is a row a
+            # request): within the budget.
+            assert not sizes or sizes[0] <= 8, sizes
+            partial.update(r.draft_computed for r in reqs if 0 < r.draft_computed < 40)
+    finally:
+        del h.sched.draft.forward
+    assert len(partial) >= 2, partial  # the prompt went into the draft in pieces
+    for r in reqs:
+        h.assert_identical(r)
+    assert spec_counts(h)[1] > 0
+    h.assert_idle_and_clean()
+
+
 def test_a_tight_pool_serves_every_request_identically(tiny_dir, draft_dir):
     """A pool of a few dozen pages for eight requests: target pages come first (draft pages
     are dropped for them, a request whose draft pages cannot be had decodes one row), nobody
