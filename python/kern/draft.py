@@ -141,7 +141,8 @@ class ModelDrafter:
         self.runner = runner
         self.table = list(range(runner.num_pages))
         self.num_computed = 0  # positions of the sequence in the draft's KV
-        self._base = 0
+        self._base = 0  # the sequence's length at the last draft
+        self._k = 0  # drafts the last draft made
 
     def draft(self, tokens: Sequence[int], k: int) -> list[int]:
         """``k`` greedy tokens after ``tokens`` (the whole sequence so far); computes what the
