@@ -119,10 +119,12 @@ class Harness:
         assert len(set(drafted)) == len(drafted), "a draft page held by two requests"
         assert s.resident_pages <= s.pages_used <= s.resident_pages + listed
         slots = sum(r.slot is not None for r in running)
+        slots += sum((r.draft_slot is not None) + (r.draft_saved is not None) for r in running)
         assert s.slots_used == s.resident_states + slots, (s.slots_used, s.resident_states, slots)
         for r in self.sched._waiting:
             assert not r.block_table and r.slot is None and r.node is None
             assert not r.draft_table and r.draft_computed == 0
+            assert r.draft_slot is None and r.draft_saved is None
 
     def assert_idle_and_clean(self) -> None:
         """Nothing runs or waits, nothing is held: every page and slot is free or the tree's,

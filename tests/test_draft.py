@@ -1,10 +1,11 @@
 """Draft checkpoints (kern.draft, the scheduler's model drafts): for every target family, the
-answer at rows 5 with a draft model is the rows-1 answer bit for bit, alone and in a batch,
-and ``kern run``'s at rows 5 with the same draft; seeded sampling too. The draft's pages come
-from the target's pool (counted while a request runs, all back after it ends, is aborted or
-loses them to a tight pool), and what kern cannot run is refused by name at load: another
-tokenizer (naming both files), another vocabulary size, a stateful draft, a draft whose KV
-per token does not fit the target's page, several ranks."""
+answer at rows 5 with a draft model (stateless qwen3, or stateful qwen3_5, whose state is
+rolled back after a rejection) is the rows-1 answer bit for bit, alone and in a batch, and
+``kern run``'s at rows 5 with the same draft; seeded sampling too. The draft's pages and
+slots come from the target's pool (counted while a request runs, all back after it ends, is
+aborted or loses them to a tight pool), and what kern cannot run is refused by name at load:
+another tokenizer (naming both files), another vocabulary size, a draft whose KV per token
+does not fit the target's page, several ranks."""
 
 from __future__ import annotations
 
@@ -55,13 +56,20 @@ def target(checkpoint: Path, draft: Path | str, **kw) -> Target:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_dir, draft_dir):
+def stateful_draft_dir(tmp_path_factory) -> Path:
+    """A 2-layer qwen3_5 draft (one linear-attention layer, one full-attention layer)."""
+    return make_tiny("qwen3_5", tmp_path_factory.mktemp("draft5"), seed=1, layers=2)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir, draft_dir, stateful_draft_dir):
     made = {}
 
-    def get(family: str) -> Engine:
-        if family not in made:
-            made[family] = Engine.load(target(tiny_dir(family), draft_dir))
-        return made[family]
+    def get(family: str, draft: str = "qwen3") -> Engine:
+        if (family, draft) not in made:
+            folder = draft_dir if draft == "qwen3" else stateful_draft_dir
+            made[family, draft] = Engine.load(target(tiny_dir(family), folder))
+        return made[family, draft]
 
     return get
 
@@ -79,14 +87,19 @@ def spec_counts(h: Harness) -> tuple[float, float]:
     )
 
 
+@pytest.mark.parametrize("draft_family", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_rows_5_with_a_draft_is_rows_1_alone_and_in_a_batch(engines, draft_dir, family):
-    engine = engines(family)
+def test_rows_5_with_a_draft_is_rows_1_alone_and_in_a_batch(
+    engines, draft_dir, stateful_draft_dir, family, draft_family
+):
+    engine = engines(family, draft_family)
     assert engine.draft is not None
+    assert engine.draft.stateful == (draft_family == "qwen3_5")
     # One pool page holds one draft page of page_tokens * 2^m tokens.
-    assert engine.draft.page_tokens > PT
+    assert engine.draft.page_tokens >= PT
     assert engine.draft.layout.page_bytes <= engine.layout.page_bytes
-    ckpt, draft = engine.checkpoint, load_checkpoint(draft_dir)
+    folder = draft_dir if draft_family == "qwen3" else stateful_draft_dir
+    ckpt, draft = engine.checkpoint, load_checkpoint(folder)
     h = fresh(engine, rows=5)
     p = prompt(1, 11)
     alone = h.submit(p, 48, ignore_eos=True)
@@ -94,14 +107,14 @@ def test_rows_5_with_a_draft_is_rows_1_alone_and_in_a_batch(engines, draft_dir, 
     h.assert_identical(alone)  # generate at rows 1, alone
     run5 = generate(ckpt, p, 48, rows=5, page_tokens=PT, draft=draft)
     assert h.answer(alone) == run5.ids  # kern run --rows 5 with the draft
-    assert run5.num_accepted_tokens > 0
-    reqs = [h.submit(prompt(i, 7 + 4 * i), 48 - 3 * i, ignore_eos=True) for i in range(6)]
+    n = 6 if draft_family == "qwen3" else 4
+    reqs = [h.submit(prompt(i, 7 + 4 * i), 48 - 3 * i, ignore_eos=True) for i in range(n)]
     h.run()
     for r in reqs:
         h.assert_identical(r)
     drafted, accepted = spec_counts(h)
     assert 0 < accepted < drafted, (drafted, accepted)
-    print(f"{family}: {accepted:.0f} of {drafted:.0f} draft tokens accepted")
+    print(f"{family}, {draft_family} draft: {accepted:.0f} of {drafted:.0f} accepted")
     h.assert_idle_and_clean()
 
 
@@ -202,11 +215,18 @@ def test_the_drafts_prefill_counts_against_the_step_budget(engines):
     h.assert_idle_and_clean()
 
 
-def test_a_tight_pool_serves_every_request_identically(tiny_dir, draft_dir):
+@pytest.mark.parametrize("draft_family", ["qwen3", "qwen3_5"])
+def test_a_tight_pool_serves_every_request_identically(
+    tiny_dir, draft_dir, stateful_draft_dir, draft_family
+):
     """A pool of a few dozen pages for eight requests: target pages come first (draft pages
-    are dropped for them, a request whose draft pages cannot be had decodes one row), nobody
-    deadlocks, every answer is the rows-1 answer and every page comes back."""
-    engine = Engine.load(target(tiny_dir("qwen3"), draft_dir, pool_bytes=96 * 2**10))
+    and slots are dropped for them, a request whose draft pages cannot be had decodes one
+    row), nobody deadlocks, every answer is the rows-1 answer and every page and slot comes
+    back. With the stateful draft, the stateless target's pool has slots for it."""
+    folder = draft_dir if draft_family == "qwen3" else stateful_draft_dir
+    engine = Engine.load(target(tiny_dir("qwen3"), folder, pool_bytes=96 * 2**10))
+    if draft_family == "qwen3_5":
+        assert engine.cache.stats().slot_capacity >= 2 and not engine.runner.stateful
     h = fresh(engine, rows=5)
     total = engine.cache.stats().pages_free
     assert total < 64, total
@@ -267,7 +287,6 @@ def test_what_kern_cannot_run_is_refused_by_name(tiny_dir, draft_dir, tmp_path):
     t = tiny_dir("qwen3")
     cases = [
         (make_tiny("qwen3", tmp_path / "v", seed=1, layers=1, vocab=400), {}, "vocab_size 400"),
-        (tiny_dir("qwen3_5"), {}, "a stateful draft (a recurrent state per sequence) is not"),
         # 4 layers of the target's width: twice its KV per token.
         (make_tiny("qwen3", tmp_path / "w", seed=1, layers=4), {}, "does not fit the target's"),
         (draft_dir, {"ranks": 2}, "a draft checkpoint with ranks = 2 is not supported"),

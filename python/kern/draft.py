@@ -4,11 +4,9 @@ speculative decode step verifies (``draft = "path"`` in kern.toml).
 Design notes
 ------------
 * Checked before anything loads (:func:`check_draft`): the same tokenizer (vocabulary,
-  special tokens, end-of-sequence and begin ids; a different one names both
+  merges, special tokens, end-of-sequence and begin ids; a different one names both
   ``tokenizer.json`` files), the same ``vocab_size``, and what kern cannot honour is refused by
-  name: a stateful draft (``qwen3_5``: its recurrent state would need slots of the target's
-  pool and a rewind of its own), and a draft whose per-token KV does not fit the target's page
-  (see below).
+  name: a draft whose per-token KV does not fit the target's page (see below).
 * Memory: the draft has no budget of its own. In the server its KV pages are pool pages,
   taken per request with the same make-room and allocation calls as the target's (kern.
   scheduler), freed at request end, abort and preemption, never given to the prefix tree. One
@@ -16,6 +14,17 @@ Design notes
   the largest power of two (the CPU attention tiles power-of-two pages) whose draft page fits
   the pool page (:func:`draft_layout`), so a 2-layer draft of a 24-layer target's width puts
   8x the tokens in a page and pays 1/12 of the target's KV per token, rounded up to a page.
+  A stateful draft (``qwen3_5``) takes its slots from the pool too: the engine sizes the
+  pool's slots for the larger of the two states, so a stateless target with a stateful draft
+  gets a slot class it would not otherwise have.
+* A stateful draft's rollback: its one-row draft steps move the state past what the target
+  may accept, and ``keep_rows`` only rewinds within one forward. So the state after the
+  catch-up (the last accepted position) is copied to a second slot before drafting; when a
+  verify rejects a draft the draft itself computed, that copy is restored and the accepted
+  tokens are fed again in the next catch-up (recompute, at most ``rows - 1`` tokens). Cost:
+  two pool slots per drafting request, held until it ends, and a slot copy a round; the
+  per-row states ``keep_rows`` keeps would need every draft step in one forward, which a
+  draft that feeds on its own output cannot do.
 * Drafting is greedy (argmax): a point-mass proposal, so accepting a draft while it equals
   the target's own draw at that row (kern.scheduler, kern.generate) is standard speculative
   sampling, exact for greedy and sampled requests alike. The draft only changes how many
@@ -62,11 +71,6 @@ def check_draft(target_dir: Path, draft_dir: Path, where: str) -> ModelConfig:
         raise UsageError(
             f"{where}: the draft {draft_dir} has vocab_size {config.vocab_size}, the target "
             f"{target_dir} {target.vocab_size}: a draft must share the target's vocabulary"
-        )
-    if any(config.is_linear_layer(i) for i in range(config.num_hidden_layers)):
-        raise UsageError(
-            f"{where}: the draft {draft_dir} is {config.model_type}: a stateful draft (a "
-            "recurrent state per sequence) is not supported; use a qwen3 or qwen3_moe draft"
         )
     mine, theirs = _tokenizer(target_dir), _tokenizer(draft_dir)
     if mine != theirs:
@@ -132,12 +136,13 @@ def argmax(logits: torch.Tensor) -> list[int]:
 
 
 class ModelDrafter:
-    """Greedy drafts from a draft model for one sequence, over a runner whose pages are its
-    own (``kern run``). Mutates the runner's pages."""
+    """Greedy drafts from a draft model for one sequence, over a runner whose pages (and, for
+    a stateful draft, slots 0 and 1: the working state and the saved one) are its own
+    (``kern run``). Mutates the runner's pages and slots."""
 
     def __init__(self, runner: Runner) -> None:
-        if runner.stateful:
-            raise ValueError("a stateful draft is not supported")
+        if runner.stateful and runner.num_slots < 2:
+            raise ValueError("a stateful draft needs two slots (working and saved)")
         self.runner = runner
         self.table = list(range(runner.num_pages))
         self.num_computed = 0  # positions of the sequence in the draft's KV
@@ -153,11 +158,14 @@ class ModelDrafter:
         n = len(tokens)
         if n + k - 1 > len(self.table) * run.page_tokens:
             raise ValueError(f"the draft's pages hold {len(self.table) * run.page_tokens} tokens")
-        logits = run.forward([SeqChunk(tokens[self.num_computed :], self.num_computed, self.table)])
-        out = argmax(logits)
+        slot = 0 if run.stateful else None
+        chunk = SeqChunk(tokens[self.num_computed :], self.num_computed, self.table, slot=slot)
+        out = argmax(run.forward([chunk]))
+        if run.stateful and k > 1:
+            run.copy_slots([0], [1])  # the state at the last accepted token, for a rollback
         while len(out) < k:
             pos = n + len(out) - 1
-            out += argmax(run.forward([SeqChunk([out[-1]], pos, self.table)]))
+            out += argmax(run.forward([SeqChunk([out[-1]], pos, self.table, slot=slot)]))
         self.num_computed = n
         self._base = n
         self._k = k
@@ -165,5 +173,10 @@ class ModelDrafter:
 
     def accepted(self, num_drafts: int) -> None:
         """The last :meth:`draft`'s first ``num_drafts`` tokens were accepted: their KV (all
-        but the last draft's, which the draft never computed) is kept."""
-        self.num_computed = self._base + min(num_drafts, self._k - 1)
+        but the last draft's, which the draft never computed) is kept; a stateful draft goes
+        back to its saved state unless every draft it computed was accepted."""
+        kept = min(num_drafts, self._k - 1)
+        if self.runner.stateful and kept < self._k - 1:
+            self.runner.copy_slots([1], [0])
+            kept = 0
+        self.num_computed = self._base + kept

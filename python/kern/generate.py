@@ -125,6 +125,7 @@ def generate(
             draft,
             num_pages=-(-total // page_tokens),
             page_tokens=page_tokens,
+            num_slots=2,
             ops=runner.ops,
         )
         model_drafter = ModelDrafter(draft_runner)

@@ -125,19 +125,24 @@ class Runner:
         return cls(checkpoint, ops, layout, Geometry.separate(layout, num_pages, num_slots))
 
     def draft_runner(self, checkpoint: Checkpoint, layout: Layout) -> Runner:
-        """A runner for ``checkpoint`` (a stateless draft model, ``layout`` from
+        """A runner for ``checkpoint`` (a draft model, ``layout`` from
         ``kern.draft.draft_layout``) whose page ``p`` is the first ``layout.page_bytes`` of
-        this runner's page ``p``: the same arena bytes, so the same pool's pages. Raises
-        ``ValueError`` when the layout's pages do not fit this runner's."""
-        if layout.stateful:
-            raise ValueError("a draft runner over pool pages holds no state slots")
+        this runner's page ``p``, and slot ``s`` (a stateful draft) this arena's slot ``s``:
+        the same arena bytes, so the same pool's pages and slots. Raises ``ValueError`` when
+        the layout's pages or states do not fit this runner's geometry."""
         g = self.geometry
         if layout.page_bytes > g.page_bytes:
             raise ValueError(
                 f"a {layout.page_bytes}-byte draft page does not fit a {g.page_bytes}-byte page"
             )
         geometry = Geometry(
-            layout.page_bytes, g.num_pages, 0, 0, g.arena_bytes, page_stride=g.page_bytes
+            layout.page_bytes,
+            g.num_pages,
+            g.slot_stride,
+            g.num_slots,
+            g.arena_bytes,
+            g.slot_offset,
+            page_stride=g.page_bytes,
         )
         return Runner(checkpoint, self.ops, layout, geometry, buffer=self.arena.buffer)
 

@@ -52,9 +52,11 @@ Design notes
   pool pages (``draft_table``), taken with the same make-room calls but never by preempting:
   a request that cannot have them decodes one row that step. A target allocation that fails
   drops every running request's draft pages before it preempts anyone (``_drop_drafts``),
-  so draft memory can never deadlock the target's. The pages are freed in ``_release`` (end,
-  abort, preemption) and never inserted into the tree. After a verify, ``draft_computed``
-  keeps the accepted drafts the draft itself computed (all but its last).
+  so draft memory can never deadlock the target's. The pages (and a stateful draft's two
+  slots, kern.draft) are freed in ``_release`` (end, abort, preemption) and never inserted
+  into the tree. After a verify, ``draft_computed`` keeps the accepted drafts the draft
+  itself computed (all but its last); a stateful draft past a rejected one is restored to
+  its saved state instead.
 * Preemption: a decode that needs a page when nothing is evictable preempts the youngest
   running request. Its computed tokens and pages go into the prefix tree (with its state, on a
   stateful model), it unlocks, and it goes back to the head of the queue. The tree's make-room
@@ -158,6 +160,10 @@ class Request:
     # many of its tokens are in it.
     draft_table: list[int] = field(default_factory=list)
     draft_computed: int = 0
+    # A stateful draft's slots: its working state, and the state at the last accepted token
+    # kept while it drafts past it (kern.draft).
+    draft_slot: int | None = None
+    draft_saved: int | None = None
     # perf_counter() seconds: submitted, first admitted, first and latest token (0: not yet).
     t_submit: float = 0.0
     t_admit: float = 0.0
@@ -418,6 +424,12 @@ class Scheduler:
             return None
         return _ids(self.cache.alloc_pages(n))
 
+    def _alloc_draft_slot(self) -> int | None:
+        """A slot for a request's stateful draft: making room, never taking another's."""
+        if not self._make_room(0, slots=1):
+            return None
+        return self.cache.alloc_slot()
+
     def _alloc_slot(self) -> int | None:
         if not self._make_room(0, slots=1) and not (
             self._drop_drafts() and self._make_room(0, slots=1)
@@ -466,11 +478,7 @@ class Scheduler:
             cache.free_pages(_u32(extra))
         if slot is not None:
             cache.free_slot(slot)
-        if req.draft_table:
-            # The draft's KV is private to the request: freed, never cached.
-            cache.free_pages(_u32(req.draft_table))
-        req.draft_table = []
-        req.draft_computed = 0
+        self._free_draft(req)
         req.slot = None
         req.block_table = []
         req.num_computed = 0
@@ -751,8 +759,15 @@ class Scheduler:
                     assert req.slot is not None
                     self.runner.keep_rows(req.slot, sent)
                 if req in wants:
-                    # The draft computed its drafts but the last: keep those accepted.
-                    req.draft_computed += min(accepted - 1, n - 2)
+                    # The draft computed its drafts but the last: keep those accepted. A
+                    # stateful draft past a rejected one goes back to its saved state and
+                    # sees the accepted tokens again in its next catch-up.
+                    kept = min(accepted - 1, n - 2)
+                    if req.draft_slot is not None and kept < n - 2:
+                        assert self.draft is not None and req.draft_saved is not None
+                        self.draft.copy_slots([req.draft_saved], [req.draft_slot])
+                        kept = 0
+                    req.draft_computed += kept
             req.drafts = []
             m.generation_tokens.inc(sent)
             if req.num_output == sent:
@@ -817,6 +832,15 @@ class Scheduler:
                 if pages is None:
                     continue
                 req.draft_table.extend(pages)
+            if draft.stateful:
+                if req.draft_slot is None:
+                    req.draft_slot = self._alloc_draft_slot()
+                    if req.draft_slot is None:
+                        continue
+                if num > 1 and req.draft_saved is None:
+                    req.draft_saved = self._alloc_draft_slot()
+                    if req.draft_saved is None:
+                        num = 1  # one draft needs no rollback
             go.append((req, catch, num))
         if not go:
             return
@@ -825,6 +849,7 @@ class Scheduler:
                 req.tokens[req.draft_computed : req.draft_computed + catch],
                 req.draft_computed,
                 req.draft_table,
+                slot=req.draft_slot,
                 logits="last" if num else "none",
             )
             for req, catch, num in go
@@ -836,10 +861,16 @@ class Scheduler:
             if num:
                 req.drafts = [picked[len(drafting)]]
                 drafting.append((req, num))
+        if draft.stateful:
+            # The state at the last accepted token, restored if a verify rejects a draft the
+            # draft computed past it (see _forward).
+            saved = [(r.draft_slot, r.draft_saved) for r, num in drafting if num > 1]
+            draft.copy_slots([s for s, _ in saved], [d for _, d in saved])
         for j in range(1, max((num for _, num in drafting), default=0)):
             more = [r for r, num in drafting if num > j]
             batch = [
-                SeqChunk([r.drafts[-1]], r.draft_computed + j - 1, r.draft_table) for r in more
+                SeqChunk([r.drafts[-1]], r.draft_computed + j - 1, r.draft_table, r.draft_slot)
+                for r in more
             ]
             for r, tok in zip(more, argmax(draft.forward(batch)), strict=True):
                 r.drafts.append(tok)
@@ -847,12 +878,21 @@ class Scheduler:
     def _drop_drafts(self) -> bool:
         """Free every running request's draft pages (their drafts start over from the whole
         context): target pages come first. True if any were held."""
-        held = [r for r in self._running if r.draft_table]
+        held = [r for r in self._running if r.draft_table or r.draft_slot is not None]
         for r in held:
-            self.cache.free_pages(_u32(r.draft_table))
-            r.draft_table = []
-            r.draft_computed = 0
+            self._free_draft(r)
         return bool(held)
+
+    def _free_draft(self, req: Request) -> None:
+        """Give back ``req``'s draft pages and slots (never cached: private to it)."""
+        if req.draft_table:
+            self.cache.free_pages(_u32(req.draft_table))
+        for slot in (req.draft_slot, req.draft_saved):
+            if slot is not None:
+                self.cache.free_slot(slot)
+        req.draft_table = []
+        req.draft_computed = 0
+        req.draft_slot = req.draft_saved = None
 
     def _prompt_snapshot_at(self, req: Request) -> int | None:
         """Where ``req``'s prompt-end snapshot goes (see the design notes), if it still needs

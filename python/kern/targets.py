@@ -10,8 +10,8 @@ Design notes
   it (``Target.origin``), so an error names the file and key, or the flag.
 * A key kern does not implement for the command is refused, never ignored: ``ranks`` above 1
   for a model ``parallel`` does not split (kern.shard) or on too few CUDA devices, and a draft
-  checkpoint kern cannot run beside the target (kern.draft: another tokenizer or vocabulary, a
-  stateful draft, KV that does not fit the target's page, ranks above 1). ``draft = "ngram"``
+  checkpoint kern cannot run beside the target (kern.draft: another tokenizer or vocabulary, KV
+  that does not fit the target's page, ranks above 1). ``draft = "ngram"``
   (the default at rows > 1) or a draft checkpoint is the drafter ``kern run``, ``kern test``
   and ``kern serve`` use.
 * ``--rows R`` (``kern run``, ``kern serve``; ``KERN_ROWS`` under hypercorn) picks one of a
