@@ -147,15 +147,17 @@ class Engine:
         return self.runner.arena.nbytes, 0 if host is None else host.nbytes
 
 
-def _cache(target: Target, layout: Layout, device_bytes: int, state_bytes: int) -> Cache:
-    """The cache's books for ``target`` (slots of ``state_bytes``: the target's state, or a
-    stateful draft's if larger); a budget too small for one page (or the two state slots of
-    a stateful model) is a :class:`UsageError` naming its key or flag."""
+def _cache(
+    target: Target, layout: Layout, device_bytes: int, state_bytes: int | None = None
+) -> Cache:
+    """The cache's books for ``target`` (slots of ``state_bytes``, default the layout's: a
+    stateful draft's state when larger); a budget too small for one page (or the two state
+    slots of a stateful model) is a :class:`UsageError` naming its key or flag."""
     kwargs: dict[str, Any] = dict(
         page_tokens=target.page_tokens,
         page_bytes=layout.page_bytes,
         device_bytes=device_bytes,
-        state_bytes=state_bytes,
+        state_bytes=layout.state_bytes if state_bytes is None else state_bytes,
         host_bytes=target.host_bytes,
     )
     try:
