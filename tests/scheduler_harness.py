@@ -111,12 +111,20 @@ class Harness:
         for r in running:
             assert len(set(r.block_table)) == len(r.block_table), "a page twice in a table"
             assert len(r.block_table) * pt >= r.num_computed
-        listed = sum(len(r.block_table) for r in running)
+            # A draft checkpoint's pages: the request's own, never shared with its target's.
+            assert len(set(r.draft_table)) == len(r.draft_table), "a draft page twice"
+            assert not set(r.draft_table) & set(r.block_table), "a draft page in the table"
+        listed = sum(len(r.block_table) + len(r.draft_table) for r in running)
+        drafted = [p for r in running for p in r.draft_table]
+        assert len(set(drafted)) == len(drafted), "a draft page held by two requests"
         assert s.resident_pages <= s.pages_used <= s.resident_pages + listed
         slots = sum(r.slot is not None for r in running)
+        slots += sum((r.draft_slot is not None) + (r.draft_saved is not None) for r in running)
         assert s.slots_used == s.resident_states + slots, (s.slots_used, s.resident_states, slots)
         for r in self.sched._waiting:
             assert not r.block_table and r.slot is None and r.node is None
+            assert not r.draft_table and r.draft_computed == 0
+            assert r.draft_slot is None and r.draft_saved is None
 
     def assert_idle_and_clean(self) -> None:
         """Nothing runs or waits, nothing is held: every page and slot is free or the tree's,

@@ -167,7 +167,7 @@ def test_run_and_test_share_the_target_check(kern_toml, capsys):
     toml = str(kern_toml)
     for target, message in (
         ("ranks", "ranks = 8 does not divide the model's num_attention_heads (4)"),
-        ("draft", "draft checkpoints are not implemented yet"),
+        ("draft", "draft = '/nonexistent': no such checkpoint folder"),
     ):
         for command in (["run", "--prompt", "a", "--steps", "1"], ["test"]):
             assert cli.main([*command, "--config", toml, "--target", target]) == 2

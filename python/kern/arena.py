@@ -15,6 +15,10 @@ Design notes
   The device arena starts zeroed all the same, so even a masked read of a never-written page
   sees finite numbers; the host arena is only ever read where a park wrote it, and is left
   unwritten (the OS maps it on first touch).
+* A draft checkpoint's runner views the same device arena (kern.draft): its geometry has the
+  pool's page stride (``page_stride``, the target's ``page_bytes``) and its own, smaller
+  ``page_bytes``, so draft page ``p`` is the first bytes of pool page ``p``. The pool hands
+  such pages to requests like any other, so the two models never share a page in use.
 * Plans are landed as raw rows of bytes: one gather and one scatter per arena for a whole
   list of park plans (not one per evicted entry), one per arena for a wake. A park list can
   reuse host slots: ``Evicted.Parked(dropped=...)`` drops an entry parked earlier in the same
@@ -45,7 +49,9 @@ SLOT_ALIGN = 16
 class Geometry:
     """Where page ``p`` (``p * page_bytes``) and slot ``s`` (``slot_offset + s * slot_stride``)
     sit in an arena of ``arena_bytes``. A pool's geometry aliases the two (offset 0, both
-    spanning the arena); :meth:`separate` gives pages and slots bytes of their own."""
+    spanning the arena); :meth:`separate` gives pages and slots bytes of their own.
+    ``page_stride`` (None: ``page_bytes``) puts page ``p`` at ``p * page_stride`` instead: a
+    draft model's pages inside the pool's larger ones (see the design notes)."""
 
     page_bytes: int
     num_pages: int
@@ -53,6 +59,7 @@ class Geometry:
     num_slots: int
     arena_bytes: int
     slot_offset: int = 0
+    page_stride: int | None = None
 
     @classmethod
     def of_pool(cls, g: pool.Geometry) -> Geometry:
@@ -78,6 +85,8 @@ class Arena:
 
     ``zero=False`` leaves the bytes unwritten (the host tier, see the notes); ``pin=True``
     page-locks a CPU arena so copies to and from a GPU run asynchronously at full speed.
+    ``buffer``: view these bytes (another arena's) instead of allocating; they are not
+    cleared.
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class Arena:
         *,
         zero: bool = True,
         pin: bool = False,
+        buffer: Tensor | None = None,
     ) -> None:
         if geometry.page_bytes != layout.page_bytes:
             raise ValueError(
@@ -102,10 +112,18 @@ class Arena:
         self.layout = layout
         self.num_pages = geometry.num_pages
         self.num_slots = geometry.num_slots if layout.stateful else 0
-        make = torch.zeros if zero else torch.empty
-        self.buffer = make(geometry.arena_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        stride = geometry.page_stride or layout.page_bytes
+        if stride < layout.page_bytes:
+            raise ValueError(f"a page stride of {stride} bytes for {layout.page_bytes}-byte pages")
+        if buffer is None:
+            make = torch.zeros if zero else torch.empty
+            buffer = make(geometry.arena_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        elif buffer.numel() < self.num_pages * stride:
+            raise ValueError(f"a {buffer.numel()}-byte buffer for {self.num_pages} pages")
+        self.buffer = buffer
         page_bytes = layout.page_bytes
-        self.page_rows = self.buffer[: self.num_pages * page_bytes].view(self.num_pages, page_bytes)
+        rows = self.buffer[: self.num_pages * stride].view(self.num_pages, stride)
+        self.page_rows = rows[:, :page_bytes]
         self.pages = self.page_rows.view(layout.dtype).view(self.num_pages, *layout.page_shape)
         self.slot_rows: Tensor | None = None
         self.delta: Tensor | None = None

@@ -206,6 +206,15 @@ def _load(target: Target):
     return load_checkpoint(target.checkpoint, device=target.device, dtype=target.dtype)
 
 
+def _load_draft(target: Target):
+    """The target's draft checkpoint (checked by kern.targets), or None."""
+    from kern.checkpoint import load_checkpoint
+
+    if target.draft_checkpoint is None:
+        return None
+    return load_checkpoint(target.draft_checkpoint, device=target.device, dtype=target.dtype)
+
+
 # --- run ------------------------------------------------------------------------------------
 
 
@@ -295,6 +304,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         ranks, ckpt = load_for_run(target)
     else:
         ckpt = _load(target)
+    draft = _load_draft(target) if rows > 1 else None
     from kern.generate import generate
 
     tok = ckpt.tokenizer
@@ -334,6 +344,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         page_tokens=target.page_tokens,
         threads=target.threads,
         device=target.device,
+        draft=draft,
     )
     if ranks is not None:
         ranks.close()
@@ -376,6 +387,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "ranks": target.ranks,
         "parallel": target.parallel if target.ranks > 1 else None,
         "rows": rows,
+        "draft": (target.draft or "ngram") if rows > 1 else None,
         "steps": args.steps,
         "model": str(target.checkpoint),
         "target": target_name,
@@ -516,6 +528,7 @@ def _cmd_test(args: argparse.Namespace) -> int:
             "backend; run it on a target with ranks = 1 (kern run and kern serve take ranks)"
         )
     ckpt = _load(target)
+    draft = _load_draft(target)
     from kern.generate import generate
     from kern.sampler import SamplingParams
 
@@ -544,7 +557,7 @@ def _cmd_test(args: argparse.Namespace) -> int:
         checks.append(_decode_vs_prefill(kind, ckpt, prompt, base, atol, run, generate))
         # Speculative rows must give the rows-1 answer; a target without any still gets 2.
         for rows in [r for r in target.rows if r > 1] or [2]:
-            wide = generate(ckpt, prompt, args.steps, rows=rows, **run)
+            wide = generate(ckpt, prompt, args.steps, rows=rows, draft=draft, **run)
             same = wide.ids == base.ids
             checks.append(
                 _Check(

@@ -13,6 +13,11 @@ Design notes
   model is loaded where it will be used (see ``kern.scheduler.start_scheduler``).
 * ``ops`` is the backend; a caller may pass its own (the reference path, or a failing one in
   the crash test) instead of threading flags through the layers.
+* A draft checkpoint (``draft = "path"``, kern.draft) is loaded here too, checked first (the
+  same tokenizer, KV that fits the target's page), and its runner views the target runner's
+  arena (``Runner.draft_runner``): no budget of its own, its pages (and, for a stateful
+  draft, its slots: the pool's slots are sized for the larger state) are the pool's, taken
+  per request by the scheduler.
 * The cache's books are built before the weights are read when the budgets are known (a
   budget too small for one page is then an error at once, naming its key or flag); the CUDA
   default budget depends on the memory free after loading, so that one waits for the weights.
@@ -57,12 +62,18 @@ class Engine:
     layout: Layout
     cache: Cache
     runner: Runner
+    # The draft checkpoint's runner over the same pool pages, when the target names one.
+    draft: Runner | None = None
 
     @classmethod
     def load(cls, target: Target, *, ops: Ops | None = None) -> Engine:
         """Pin the thread count, load ``target``'s checkpoint, size the arenas from its
         budgets and build the runner over them (on ``ops``, default: the target's device).
         A target with ``ranks`` above 1 is loaded by every rank (``kern.ranks``)."""
+        if target.draft_checkpoint is not None:
+            from kern.targets import check_draft_target
+
+            check_draft_target(target, load_config(target.checkpoint))
         if target.ranks > 1:
             from kern.ranks import load_engine
 
@@ -70,10 +81,25 @@ class Engine:
         torch.set_num_threads(target.threads)
         ops = ops or make_ops(target.device)
         layout = Layout.of(load_config(target.checkpoint), ops.dtype, target.page_tokens)
-        cache = None if target.pool_bytes is None else _cache(target, layout, target.pool_bytes)
+        draft_lay = None
+        if target.draft_checkpoint is not None:
+            from kern.draft import draft_layout
+
+            draft_lay = draft_layout(
+                load_config(target.draft_checkpoint),
+                ops.dtype,
+                layout.page_bytes,
+                target.page_tokens,
+                target.where("draft"),
+            )
+        # A stateful draft's slots come from the same pool: slots fit either model's state.
+        state_bytes = max(layout.state_bytes, 0 if draft_lay is None else draft_lay.state_bytes)
+        cache = None
+        if target.pool_bytes is not None:
+            cache = _cache(target, layout, target.pool_bytes, state_bytes)
         ckpt = load_checkpoint(target.checkpoint, device=ops.device, dtype=ops.dtype)
         if cache is None:
-            cache = _cache(target, layout, default_pool_bytes(ops.device))
+            cache = _cache(target, layout, default_pool_bytes(ops.device), state_bytes)
         host = cache.host
         runner = Runner(
             ckpt,
@@ -82,7 +108,14 @@ class Engine:
             Geometry.of_pool(cache.device),
             None if host is None else Geometry.of_pool(host),
         )
-        return cls(target, ckpt, layout, cache, runner)
+        draft = None
+        if target.draft_checkpoint is not None:
+            assert draft_lay is not None
+            draft_ckpt = load_checkpoint(
+                target.draft_checkpoint, device=ops.device, dtype=ops.dtype
+            )
+            draft = runner.draft_runner(draft_ckpt, draft_lay)
+        return cls(target, ckpt, layout, cache, runner, draft)
 
     def scheduler(
         self,
@@ -103,6 +136,7 @@ class Engine:
             deliver=deliver,
             metrics=metrics,
             on_crash=on_crash,
+            draft=self.draft,
             **limits,
         )
 
@@ -113,14 +147,17 @@ class Engine:
         return self.runner.arena.nbytes, 0 if host is None else host.nbytes
 
 
-def _cache(target: Target, layout: Layout, device_bytes: int) -> Cache:
-    """The cache's books for ``target``; a budget too small for one page (or the two state
+def _cache(
+    target: Target, layout: Layout, device_bytes: int, state_bytes: int | None = None
+) -> Cache:
+    """The cache's books for ``target`` (slots of ``state_bytes``, default the layout's: a
+    stateful draft's state when larger); a budget too small for one page (or the two state
     slots of a stateful model) is a :class:`UsageError` naming its key or flag."""
     kwargs: dict[str, Any] = dict(
         page_tokens=target.page_tokens,
         page_bytes=layout.page_bytes,
         device_bytes=device_bytes,
-        state_bytes=layout.state_bytes,
+        state_bytes=layout.state_bytes if state_bytes is None else state_bytes,
         host_bytes=target.host_bytes,
     )
     try:

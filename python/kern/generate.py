@@ -5,7 +5,9 @@ Design notes
 ------------
 * One sequence in a Runner of its own: the prompt is prefilled in one chunk, then each step
   is one decode chunk (``rows == 1``) or one verify chunk of ``1 + drafts`` rows
-  (``rows > 1``), drafts from n-gram lookup in the context (:class:`NgramDrafter`).
+  (``rows > 1``), drafts from n-gram lookup in the context (:class:`NgramDrafter`), or from a
+  draft checkpoint (``draft``, :class:`kern.draft.ModelDrafter`, on pages of its own: the
+  server takes them from its pool, which changes no token).
 * Verification keeps identity with ``rows == 1``: row j of a verify chunk yields the token
   plain decoding would pick at that position (same context, the sampler's draw index is the
   token's index), and drafts are accepted while they equal those tokens. The first mismatch
@@ -27,6 +29,7 @@ from torch import Tensor
 from kern.backend import make_ops
 from kern.batch import SeqChunk
 from kern.checkpoint import Checkpoint
+from kern.draft import ModelDrafter
 from kern.ngram import NgramDrafter
 from kern.runner import Runner
 from kern.sampler import SamplingParams, sample
@@ -61,12 +64,15 @@ def generate(
     device: str = "cpu",
     reference: bool = False,
     runner: Runner | None = None,
+    draft: Checkpoint | None = None,
 ) -> GenerateResult:
     """Generate ``steps`` tokens after ``prompt_ids`` (greedy unless ``sampling`` says
     otherwise), verifying up to ``rows - 1`` drafted tokens per step, on ``device`` (the
     checkpoint's tensors are moved there by the runner), or through the torch reference path
     (``reference=True``, CPU float32, see ``kern.backend.ReferenceOps``), or on ``runner`` when
     given (one whose pages are the sequence's own, e.g. ``kern.ranks``' ranked runner).
+    ``draft``: a draft checkpoint (checked by the caller, kern.draft) drafts instead of n-gram
+    lookup, greedy, on the same backend.
 
     Raises ``ValueError`` for an empty prompt, ``steps < 0`` or ``rows < 1``.
     """
@@ -113,9 +119,23 @@ def generate(
     out.extend(pick(logits, 0))
     drafter = NgramDrafter(prompt_ids)
     drafter.extend(out)
+    model_drafter = None
+    if draft is not None and rows > 1:
+        draft_runner = Runner.with_pages(
+            draft,
+            num_pages=-(-total // page_tokens),
+            page_tokens=page_tokens,
+            num_slots=2,
+            ops=runner.ops,
+        )
+        model_drafter = ModelDrafter(draft_runner)
     pos = len(prompt_ids)  # tokens in the KV; out[-1] is not yet
     while len(out) < steps:
-        drafts = drafter.draft(min(rows - 1, steps - len(out) - 1))
+        num = min(rows - 1, steps - len(out) - 1)
+        if model_drafter is not None:
+            drafts = model_drafter.draft(prompt_ids + out, num)
+        else:
+            drafts = drafter.draft(num)
         chunk = [out[-1], *drafts]
         mode = "all" if rows > 1 else "last"
         logits = runner.forward([SeqChunk(chunk, pos, table, slot=0, logits=mode)])
@@ -130,6 +150,8 @@ def generate(
             del probes[key]
         if rows > 1 and runner.stateful:
             runner.keep_rows(0, accepted)
+        if model_drafter is not None and drafts:
+            model_drafter.accepted(accepted - 1)
         new = verified[:accepted]
         out.extend(new)
         drafter.extend(new)

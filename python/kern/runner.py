@@ -26,6 +26,10 @@ Design notes
   after each row; ``keep_rows(slot, n)`` rewinds the slot to the state after its first ``n``
   rows of the last forward. Attention KV needs no rewind: rejected positions are simply
   overwritten when the sequence gets there again.
+* A draft checkpoint's runner (:meth:`Runner.draft_runner`) views this runner's device arena
+  with a layout of its own: its pages are the first bytes of pool pages (``Geometry.page_stride``
+  is the pool's page size), so the draft's KV comes from the same pool and budget, and this
+  runner still owns the one tensor both read.
 * Park and wake plans land as one batched copy per arena per list (``kern.arena.land``).
 """
 
@@ -53,7 +57,8 @@ class Runner:
     host arena for parked cache entries when ``host`` is given). ``layout`` must be the one
     the geometry was sized from (``Layout.of(config, ops.dtype, page_tokens)``).
 
-    :meth:`with_pages` builds one over pages and slots of its own, without a pool.
+    :meth:`with_pages` builds one over pages and slots of its own, without a pool;
+    :meth:`draft_runner` one for a draft checkpoint over this one's pool pages.
     """
 
     def __init__(
@@ -63,6 +68,8 @@ class Runner:
         layout: Layout,
         geometry: Geometry,
         host: Geometry | None = None,
+        *,
+        buffer: Tensor | None = None,
     ) -> None:
         if layout.dtype != ops.dtype:
             raise ValueError(f"the layout is {layout.dtype}, the backend computes {ops.dtype}")
@@ -78,7 +85,8 @@ class Runner:
         self.dtype = ops.dtype
         self.page_tokens = layout.page_tokens
         self.stateful = layout.stateful
-        self.arena = Arena(layout, geometry, ops.device)
+        self.arena = Arena(layout, geometry, ops.device, buffer=buffer)
+        self.geometry = geometry
         self.num_pages = self.arena.num_pages
         self.num_slots = self.arena.num_slots
         # The host tier: written only by parks and read only by wakes, so left unwritten.
@@ -115,6 +123,28 @@ class Runner:
                 f"{checkpoint.config.model_type} keeps a recurrent state: num_slots must be >= 1"
             )
         return cls(checkpoint, ops, layout, Geometry.separate(layout, num_pages, num_slots))
+
+    def draft_runner(self, checkpoint: Checkpoint, layout: Layout) -> Runner:
+        """A runner for ``checkpoint`` (a draft model, ``layout`` from
+        ``kern.draft.draft_layout``) whose page ``p`` is the first ``layout.page_bytes`` of
+        this runner's page ``p``, and slot ``s`` (a stateful draft) this arena's slot ``s``:
+        the same arena bytes, so the same pool's pages and slots. Raises ``ValueError`` when
+        the layout's pages or states do not fit this runner's geometry."""
+        g = self.geometry
+        if layout.page_bytes > g.page_bytes:
+            raise ValueError(
+                f"a {layout.page_bytes}-byte draft page does not fit a {g.page_bytes}-byte page"
+            )
+        geometry = Geometry(
+            layout.page_bytes,
+            g.num_pages,
+            g.slot_stride,
+            g.num_slots,
+            g.arena_bytes,
+            g.slot_offset,
+            page_stride=g.page_bytes,
+        )
+        return Runner(checkpoint, self.ops, layout, geometry, buffer=self.arena.buffer)
 
     @torch.inference_mode()
     def forward(self, batch: Sequence[SeqChunk]) -> Tensor:

@@ -45,6 +45,18 @@ Design notes
   (``Runner.keep_rows``), so nothing rejected or unsent is ever read, and the request-end
   snapshot sits where rows 1 puts it. Drafts use only the step budget the decode rows leave,
   never past ``max_tokens``, and a request with a grammar decodes one row at a time.
+* Draft checkpoints (``draft``, kern.draft): after the step is planned, the draft model runs
+  for the requests that draft: one forward of catch-up chunks (every token its KV lacks: the
+  prompt at the first decode step, then what the last verify accepted, counted in the step
+  budget with the drafts), then ``rows - 2`` one-row steps, batched, greedy. Its pages are
+  pool pages (``draft_table``), taken with the same make-room calls but never by preempting:
+  a request that cannot have them decodes one row that step. A target allocation that fails
+  drops every running request's draft pages before it preempts anyone (``_drop_drafts``),
+  so draft memory can never deadlock the target's. The pages (and a stateful draft's two
+  slots, kern.draft) are freed in ``_release`` (end, abort, preemption) and never inserted
+  into the tree. After a verify, ``draft_computed`` keeps the accepted drafts the draft
+  itself computed (all but its last); a stateful draft past a rejected one is restored to
+  its saved state instead.
 * Preemption: a decode that needs a page when nothing is evictable preempts the youngest
   running request. Its computed tokens and pages go into the prefix tree (with its state, on a
   stateful model), it unlocks, and it goes back to the head of the queue. The tree's make-room
@@ -80,6 +92,7 @@ from typing import Any
 import numpy as np
 
 from kern.batch import SeqChunk
+from kern.draft import argmax
 from kern.metrics import Metrics
 from kern.ngram import NgramDrafter
 from kern.pool import Cache, Evicted, Match, PoolFull, Room
@@ -143,6 +156,14 @@ class Request:
     # verify step), and the drafts this step verifies.
     drafter: NgramDrafter | None = None
     drafts: list[int] = field(default_factory=list)
+    # A draft checkpoint's KV for this request (pool pages of the draft's page size) and how
+    # many of its tokens are in it.
+    draft_table: list[int] = field(default_factory=list)
+    draft_computed: int = 0
+    # A stateful draft's slots: its working state, and the state at the last accepted token
+    # kept while it drafts past it (kern.draft).
+    draft_slot: int | None = None
+    draft_saved: int | None = None
     # perf_counter() seconds: submitted, first admitted, first and latest token (0: not yet).
     t_submit: float = 0.0
     t_admit: float = 0.0
@@ -167,6 +188,7 @@ class Scheduler:
         max_running: int = 256,
         rows: int = 1,
         on_crash: Callable[[BaseException], None] | None = None,
+        draft: Runner | None = None,
     ) -> None:
         if max_step_tokens < 1 or max_running < 1:
             raise ValueError("max_step_tokens and max_running must be >= 1")
@@ -183,6 +205,8 @@ class Scheduler:
         self.max_running = max_running
         # Positions a decode step verifies per sequence: 1 + up to rows - 1 n-gram drafts.
         self.rows = rows
+        # A draft checkpoint's runner over the same pool pages (kern.draft), or None: n-gram.
+        self.draft = draft
         self.on_crash = on_crash
         self.stateful = runner.stateful
         # Every page the pool can give to requests (a stateful pool keeps its first slots).
@@ -390,14 +414,33 @@ class Scheduler:
         return room.fits
 
     def _alloc_pages(self, n: int) -> list[int] | None:
+        """``n`` pages for the target, making room, and taking them from the draft's pages
+        when the tree has nothing left to give."""
         if n <= 0:
             return []
         pages, room = self.cache.take_pages(n)  # make room and allocate, in one call
         self._land(room)
+        if pages is None and self._drop_drafts():
+            pages, room = self.cache.take_pages(n)
+            self._land(room)
         return None if pages is None else _ids(pages)
 
-    def _alloc_slot(self) -> int | None:
+    def _alloc_draft_pages(self, n: int) -> list[int] | None:
+        """``n`` pages for a request's draft KV: making room, never taking another's."""
+        pages, room = self.cache.take_pages(n)
+        self._land(room)
+        return None if pages is None else _ids(pages)
+
+    def _alloc_draft_slot(self) -> int | None:
+        """A slot for a request's stateful draft: making room, never taking another's."""
         if not self._make_room(0, slots=1):
+            return None
+        return self.cache.alloc_slot()
+
+    def _alloc_slot(self) -> int | None:
+        if not self._make_room(0, slots=1) and not (
+            self._drop_drafts() and self._make_room(0, slots=1)
+        ):
             return None
         return self.cache.alloc_slot()
 
@@ -437,6 +480,7 @@ class Scheduler:
             slot = None
         if slot is not None:
             cache.free_slot(slot)
+        self._free_draft(req)
         req.slot = None
         req.block_table = []
         req.num_computed = 0
@@ -574,6 +618,8 @@ class Scheduler:
         budget = self.max_step_tokens
         pt = self.pt
         plan: list[tuple[Request, int]] = []
+        # Requests a draft checkpoint drafts for: (draft_computed, catch-up, drafts) planned.
+        wants: dict[Request, tuple[int, int, int]] = {}
         # Drafts take only what the step's decode rows leave of the budget, so speculation
         # never keeps a younger request from its token.
         spare = budget - sum(len(r.tokens) - r.num_computed == 1 for r in self._running)
@@ -585,7 +631,17 @@ class Scheduler:
                 break
             left = len(req.tokens) - req.num_computed
             k = min(left, budget)
-            req.drafts = self._draft(req, min(spare, budget - 1)) if left == 1 else []
+            room = min(spare, budget - 1)
+            req.drafts = []
+            if left == 1 and self.draft is None:
+                req.drafts = self._draft(req, room)
+            elif left == 1:
+                want = self._plan_model_draft(req, room)
+                if want is not None:
+                    # Drafted after planning, in batched draft forwards (_run_drafts).
+                    wants[req] = want
+                    spare -= want[1] + want[2]
+                    k += want[2]
             spare -= len(req.drafts)
             k += len(req.drafts)
             at = self._prompt_snapshot_at(req)
@@ -597,6 +653,10 @@ class Scheduler:
             plan.append((req, k))
             budget -= k
         plan = [(r, k) for r, k in plan if r.block_table]
+        if wants:
+            wants = {r: w for r, w in wants.items() if r.block_table}
+            self._run_drafts(wants)
+            plan = [(r, 1 + len(r.drafts) if r in wants else k) for r, k in plan]
         if not plan:
             return
         batch = []
@@ -700,6 +760,16 @@ class Scheduler:
                 if self.stateful:
                     assert req.slot is not None
                     self.runner.keep_rows(req.slot, sent)
+                if req in wants:
+                    # The draft computed its drafts but the last: keep those accepted. A
+                    # stateful draft past a rejected one goes back to its saved state and
+                    # sees the accepted tokens again in its next catch-up.
+                    kept = min(accepted - 1, n - 2)
+                    if req.draft_slot is not None and kept < n - 2:
+                        assert self.draft is not None and req.draft_saved is not None
+                        self.draft.copy_slots([req.draft_saved], [req.draft_slot])
+                        kept = 0
+                    req.draft_computed += kept
             req.drafts = []
             m.generation_tokens.inc(sent)
             if req.num_output == sent:
@@ -727,6 +797,104 @@ class Scheduler:
         else:
             req.drafter.sync(req.tokens)
         return req.drafter.draft(k)
+
+    def _plan_model_draft(self, req: Request, room: int) -> tuple[int, int, int] | None:
+        """What the draft checkpoint does for ``req`` this step: (its ``draft_computed`` now,
+        tokens of catch-up, drafts), or None. The catch-up (every token the draft has not
+        seen: the prompt at its first decode step, then what the last verify accepted)
+        counts against ``room`` with the drafts; a catch-up longer than the room is done in
+        part, drafting nothing, as a prompt is chunked. The same limits as n-gram drafts."""
+        num = min(self.rows - 1, req.max_tokens - req.num_output - 1)
+        if num <= 0 or req.num_output == 0 or req.grammar is not None or room <= 0:
+            return None
+        catch = len(req.tokens) - req.draft_computed
+        if catch + num <= room:
+            return req.draft_computed, catch, num
+        if catch < room:
+            return req.draft_computed, catch, room - catch
+        return req.draft_computed, room, 0
+
+    def _run_drafts(self, wants: dict[Request, tuple[int, int, int]]) -> None:
+        """Run the draft checkpoint for ``wants`` (see :meth:`_plan_model_draft`): take its
+        pages from the pool (making room, never preempting: a request whose pages cannot be
+        had, or whose draft KV was dropped since it was planned, decodes one row this step),
+        one forward of catch-up chunks, then one 1-row step per further draft, batched across
+        requests; set each request's ``drafts`` (greedy, see kern.draft)."""
+        draft = self.draft
+        assert draft is not None
+        dpt = draft.page_tokens
+        go: list[tuple[Request, int, int]] = []
+        for req, (computed, catch, num) in wants.items():
+            if req.draft_computed != computed:
+                continue  # dropped for a target page since planned
+            end = computed + catch + max(num - 1, 0)  # positions the draft writes
+            need = -(-end // dpt) - len(req.draft_table)
+            if need > 0:
+                pages = self._alloc_draft_pages(need)
+                if pages is None:
+                    continue
+                req.draft_table.extend(pages)
+            if draft.stateful:
+                if req.draft_slot is None:
+                    req.draft_slot = self._alloc_draft_slot()
+                    if req.draft_slot is None:
+                        continue
+                if num > 1 and req.draft_saved is None:
+                    req.draft_saved = self._alloc_draft_slot()
+                    if req.draft_saved is None:
+                        num = 1  # one draft needs no rollback
+            go.append((req, catch, num))
+        if not go:
+            return
+        batch = [
+            SeqChunk(
+                req.tokens[req.draft_computed : req.draft_computed + catch],
+                req.draft_computed,
+                req.draft_table,
+                slot=req.draft_slot,
+                logits="last" if num else "none",
+            )
+            for req, catch, num in go
+        ]
+        picked = argmax(draft.forward(batch))
+        drafting = []
+        for req, catch, num in go:
+            req.draft_computed += catch
+            if num:
+                req.drafts = [picked[len(drafting)]]
+                drafting.append((req, num))
+        if draft.stateful:
+            # The state at the last accepted token, restored if a verify rejects a draft the
+            # draft computed past it (see _forward).
+            saved = [(r.draft_slot, r.draft_saved) for r, num in drafting if num > 1]
+            draft.copy_slots([s for s, _ in saved], [d for _, d in saved])
+        for j in range(1, max((num for _, num in drafting), default=0)):
+            more = [r for r, num in drafting if num > j]
+            batch = [
+                SeqChunk([r.drafts[-1]], r.draft_computed + j - 1, r.draft_table, r.draft_slot)
+                for r in more
+            ]
+            for r, tok in zip(more, argmax(draft.forward(batch)), strict=True):
+                r.drafts.append(tok)
+
+    def _drop_drafts(self) -> bool:
+        """Free every running request's draft pages (their drafts start over from the whole
+        context): target pages come first. True if any were held."""
+        held = [r for r in self._running if r.draft_table or r.draft_slot is not None]
+        for r in held:
+            self._free_draft(r)
+        return bool(held)
+
+    def _free_draft(self, req: Request) -> None:
+        """Give back ``req``'s draft pages and slots (never cached: private to it)."""
+        if req.draft_table:
+            self.cache.free_pages(_u32(req.draft_table))
+        for slot in (req.draft_slot, req.draft_saved):
+            if slot is not None:
+                self.cache.free_slot(slot)
+        req.draft_table = []
+        req.draft_computed = 0
+        req.draft_slot = req.draft_saved = None
 
     def _prompt_snapshot_at(self, req: Request) -> int | None:
         """Where ``req``'s prompt-end snapshot goes (see the design notes), if it still needs

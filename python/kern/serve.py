@@ -100,8 +100,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--rows",
         type=_positive_int,
         metavar="R",
-        help="positions a decode step verifies per sequence: the last token and R - 1 n-gram "
-        "drafts; one of the target's declared rows (default: its widest; 1: plain decoding)",
+        help="positions a decode step verifies per sequence: the last token and R - 1 drafts "
+        "(n-gram, or the target's draft checkpoint); one of the target's declared rows "
+        "(default: its widest; 1: plain decoding)",
     )
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -218,7 +219,14 @@ def _summary(target, family: str, engine, app, sock: socket.socket) -> str:
 
 def _rows(target) -> str:
     rows = target.decode_rows
-    return "rows 1" if rows == 1 else f"rows {rows} (the last token and {rows - 1} n-gram drafts)"
+    if rows == 1:
+        return "rows 1"
+    if target.draft_checkpoint is None:
+        return f"rows {rows} (the last token and {rows - 1} n-gram drafts)"
+    return (
+        f"rows {rows} (the last token and {rows - 1} drafts of {target.draft_checkpoint}, its "
+        "pages from the same pool)"
+    )
 
 
 def _serve(app, sock: socket.socket, args: argparse.Namespace, summary: str) -> None:

@@ -10,8 +10,10 @@ Design notes
   it (``Target.origin``), so an error names the file and key, or the flag.
 * A key kern does not implement for the command is refused, never ignored: ``ranks`` above 1
   for a model ``parallel`` does not split (kern.shard) or on too few CUDA devices, and a draft
-  checkpoint anywhere (not implemented yet). ``draft = "ngram"`` (the default at rows > 1) is
-  the drafter ``kern run``, ``kern test`` and ``kern serve`` use.
+  checkpoint kern cannot run beside the target (kern.draft: another tokenizer or vocabulary, KV
+  that does not fit the target's page, ranks above 1). ``draft = "ngram"``
+  (the default at rows > 1) or a draft checkpoint is the drafter ``kern run``, ``kern test``
+  and ``kern serve`` use.
 * ``--rows R`` (``kern run``, ``kern serve``; ``KERN_ROWS`` under hypercorn) picks one of a
   kern.toml target's declared shapes (:func:`choose_rows`; rows 1, plain decoding, is always
   allowed); a ``--model`` or embedded target declares none, so any R is taken as declared.
@@ -31,7 +33,7 @@ from kern.config import MissingFileError, ModelConfig, load_config
 from kern.errors import UsageError
 from kern.toml_config import Target, default_dtype, load_toml_config
 
-__all__ = ["FLAGS", "check_target", "choose_rows", "resolve_target"]
+__all__ = ["FLAGS", "check_draft_target", "check_target", "choose_rows", "resolve_target"]
 
 # kern.toml key -> the flag that sets it on the command line.
 FLAGS = {
@@ -129,11 +131,6 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     ``CheckpointError`` for a missing or unreadable checkpoint."""
     if target.ranks != 1:
         _check_ranks(target)
-    if target.draft is not None and target.draft != "ngram":
-        raise UsageError(
-            f"{target.where('draft')}: draft = {target.draft!r}: draft checkpoints are not "
-            "implemented yet (use draft = 'ngram', n-gram lookup in the request's context)"
-        )
     # Each backend computes in one dtype (kern.backend): anything else would be converted
     # back, and the output would claim a dtype it did not use.
     backend_dtype = default_dtype(target.device)
@@ -153,6 +150,8 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     if not target.checkpoint.is_dir():
         raise MissingFileError(f"{target.checkpoint}: no such checkpoint folder")
     config = load_config(target.checkpoint)
+    if target.draft_checkpoint is not None:
+        check_draft_target(target, config)
     if target.ranks != 1:
         from kern.shard import Shard, ShardError
 
@@ -161,6 +160,27 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
         except ShardError as e:
             raise UsageError(f"{target.where('ranks')}: {e}") from None
     return config
+
+
+def check_draft_target(target: Target, config: ModelConfig) -> None:
+    """A draft checkpoint: one rank only, and what kern.draft checks (the tokenizer, the
+    family, its KV inside the target's page)."""
+    import torch
+
+    from kern.draft import check_draft, draft_layout
+    from kern.layout import Layout
+
+    where = target.where("draft")
+    if target.ranks != 1:
+        raise UsageError(
+            f"{where}: a draft checkpoint with ranks = {target.ranks} is not supported (the "
+            "draft would need splitting too); use draft = 'ngram' or ranks = 1"
+        )
+    assert target.draft_checkpoint is not None
+    draft = check_draft(target.checkpoint, target.draft_checkpoint, where)
+    dtype = getattr(torch, target.dtype)
+    page_bytes = Layout.of(config, dtype, target.page_tokens).page_bytes
+    draft_layout(draft, dtype, page_bytes, target.page_tokens, where)
 
 
 def _check_ranks(target: Target) -> None:

@@ -18,8 +18,9 @@ reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_co
 
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
 misspelt ``page_token = 32`` silently ignored would serve with 16 and nobody would know. This
-module parses; whether a command can run what a target asks (a draft checkpoint is not
-implemented yet; ``ranks`` and ``parallel`` split only what kern implements) is
+module parses; whether a command can run what a target asks (a draft checkpoint of the same
+tokenizer whose KV fits the target's pages, kern.draft; ``ranks`` and ``parallel`` split
+only what kern implements) is
 :func:`kern.targets.check_target`'s call. A step at rows R verifies the last token and R - 1
 drafts, so ``rows`` also says how many tokens to draft; ``draft`` without a row shape above 1
 would draft nothing, and is an error.
@@ -120,6 +121,13 @@ class Target:
     @property
     def widest_rows(self) -> int:
         return self.rows[-1]
+
+    @property
+    def draft_checkpoint(self) -> Path | None:
+        """The draft checkpoint folder, or None (n-gram drafts or none)."""
+        if self.draft is None or self.draft == "ngram":
+            return None
+        return Path(self.draft)
 
     @property
     def decode_rows(self) -> int:

@@ -122,7 +122,9 @@ def _gate(args: argparse.Namespace, kern: list[str]) -> int:
         raise UsageError(f"--models {args.models}: no such file")
     if recipes_file.is_file():
         recipes = read_recipes(recipes_file.resolve())
-        for line in make_missing(kern, recipes, {Path(t.checkpoint) for t in targets}):
+        needed = {Path(t.checkpoint) for t in targets}
+        needed |= {t.draft_checkpoint for t in targets if t.draft_checkpoint is not None}
+        for line in make_missing(kern, recipes, needed):
             _log(line)
 
     kern_id = kern_fingerprint()

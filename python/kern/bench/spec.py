@@ -1,5 +1,5 @@
-"""Decode tokens/s at rows 1 against rows R (n-gram drafts), through the server's scheduler in
-this process: ``python -m kern.bench.spec``.
+"""Decode tokens/s at rows 1 against rows R (n-gram drafts, or a draft checkpoint with
+``--draft``), through the server's scheduler in this process: ``python -m kern.bench.spec``.
 
 Design notes
 ------------
@@ -22,6 +22,12 @@ Design notes
   tokens for 50, then something else), so ``--min-acceptance A`` also keeps a candidate only
   if its answer at rows R accepts at least ``A`` of its drafts, which is how the issue's
   speed-up target (>= 2x at >= 80% acceptance) is measured.
+* ``--draft``: the draft-checkpoint case. The draft is the target's first ``--draft-layers``
+  layers (default 2) with its embedding, final norm and head: ``make-tiny`` with the target's
+  arguments but fewer layers (each tensor is seeded by its name, so the shared ones are the
+  same bytes), or ``--draft-model DIR``. Its KV pages come from the target's pool, as in the
+  server. A draft model does not need answers that loop, so the prompts are the first
+  ``--prompts`` seeded random prompts, as drawn (no probe).
 * The answers at rows 1 and rows R are compared: a mismatch is an error (identity is what
   makes the drafts free to be wrong).
 """
@@ -42,7 +48,7 @@ from kern.bench.forward import MODEL_100M
 __all__ = ["main"]
 
 
-def _engine(checkpoint: Path, rows: int, threads: int):
+def _engine(checkpoint: Path, rows: int, threads: int, draft: Path | None = None):
     from kern.engine import Engine
     from kern.toml_config import Target
 
@@ -51,6 +57,7 @@ def _engine(checkpoint: Path, rows: int, threads: int):
         checkpoint=checkpoint,
         pool_bytes=256 * 2**20,
         rows=tuple(sorted({1, rows})),
+        draft=None if draft is None else str(draft),
         threads=threads,
     )
     return Engine.load(target)
@@ -153,9 +160,25 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a checkpoint folder (default: a ~88M qwen3 made with make-tiny, seed 0)",
     )
+    p.add_argument(
+        "--draft",
+        action="store_true",
+        help="draft with a draft checkpoint instead of n-gram lookup (see --draft-layers)",
+    )
+    p.add_argument(
+        "--draft-layers",
+        type=int,
+        default=2,
+        help="with --draft and the default model: the draft is its first this many layers",
+    )
+    p.add_argument("--draft-model", type=Path, default=None, help="with --draft: a draft folder")
     args = p.parse_args(argv)
     if args.rows < 2:
         p.error("--rows must be at least 2")
+    if args.draft and args.model is not None and args.draft_model is None:
+        p.error("--draft with --model needs --draft-model")
+    if args.draft_model is not None and not args.draft:
+        p.error("--draft-model needs --draft")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
@@ -164,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
 
             model = Path(tmp) / "qwen3-100m"
             make_tiny("qwen3", model, seed=0, **MODEL_100M)
-        engine = _engine(model, args.rows, args.threads)
+        draft = args.draft_model
+        if args.draft and draft is None:
+            draft = Path(tmp) / "qwen3-100m-draft"
+            make_tiny("qwen3", draft, seed=0, **{**MODEL_100M, "layers": args.draft_layers})
+        engine = _engine(model, args.rows, args.threads, draft if args.draft else None)
         vocab = min(args.prompt_vocab, engine.checkpoint.config.vocab_size)
         one = _Driver(engine, 1)
         wide = _Driver(engine, args.rows)
@@ -174,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         while len(chosen) < args.prompts and tried < args.tries:
             tried += 1
             prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_tokens)]
+            if args.draft:
+                chosen.append(prompt)
+                continue
             ids, *_ = one.run(prompt, args.probe)
             at = _loop_start(ids, args.loop == "exact")
             if at is None:
@@ -188,19 +218,27 @@ def main(argv: list[str] | None = None) -> int:
                     continue
             chosen.append(candidate)
         load = os.getloadavg()[0]
-        print(
-            f"kern.bench.spec: {model.name if args.model else 'qwen3 ~88M (make-tiny, seed 0)'}"
-            f", torch {torch.__version__}, {args.threads} threads, {args.steps} tokens per "
-            f"answer, rows 1 vs rows {args.rows} (n-gram drafts), best of {args.repeat}; "
-            f"{len(chosen)} of {tried} prompts have answers that fall into an {args.loop} loop "
-            f"within {args.probe} tokens (measured from there)"
-            + (
-                f" and accept >= {args.min_acceptance:.0%} of their drafts at rows {args.rows}"
-                if args.min_acceptance > 0
-                else ""
+        name = model.name if args.model else "qwen3 ~88M (make-tiny, seed 0)"
+        if args.draft:
+            assert engine.draft is not None
+            d = engine.draft.config
+            how = (
+                f"a draft checkpoint of {d.num_hidden_layers} layers of {d.hidden_size} "
+                f"({engine.draft.page_tokens} tokens a pool page); {len(chosen)} random prompts"
             )
-            + f"; load average {load:.2f} on "
-            f"{os.cpu_count()} CPUs"
+        else:
+            how = (
+                f"n-gram drafts; {len(chosen)} of {tried} prompts have answers that fall into an "
+                f"{args.loop} loop within {args.probe} tokens (measured from there)"
+            )
+            if args.min_acceptance > 0:
+                how += (
+                    f" and accept >= {args.min_acceptance:.0%} of their drafts at rows {args.rows}"
+                )
+        print(
+            f"kern.bench.spec: {name}, torch {torch.__version__}, {args.threads} threads, "
+            f"{args.steps} tokens per answer, rows 1 vs rows {args.rows}, best of "
+            f"{args.repeat}; {how}; load average {load:.2f} on {os.cpu_count()} CPUs"
         )
         if not chosen:
             print("no prompt with a repeating answer: nothing to measure")

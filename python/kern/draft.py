@@ -1,0 +1,182 @@
+"""Draft checkpoints: a small model of the same tokenizer that proposes the tokens a
+speculative decode step verifies (``draft = "path"`` in kern.toml).
+
+Design notes
+------------
+* Checked before anything loads (:func:`check_draft`): the same tokenizer (vocabulary,
+  merges, special tokens, end-of-sequence and begin ids; a different one names both
+  ``tokenizer.json`` files), the same ``vocab_size``, and what kern cannot honour is refused by
+  name: a draft whose per-token KV does not fit the target's page (see below).
+* Memory: the draft has no budget of its own. In the server its KV pages are pool pages,
+  taken per request with the same make-room and allocation calls as the target's (kern.
+  scheduler), freed at request end, abort and preemption, never given to the prefix tree. One
+  pool page holds one draft page: the draft's ``page_tokens`` is the target's times ``m``,
+  the largest power of two (the CPU attention tiles power-of-two pages) whose draft page fits
+  the pool page (:func:`draft_layout`), so a 2-layer draft of a 24-layer target's width puts
+  8x the tokens in a page and pays 1/12 of the target's KV per token, rounded up to a page.
+  A stateful draft (``qwen3_5``) takes its slots from the pool too: the engine sizes the
+  pool's slots for the larger of the two states, so a stateless target with a stateful draft
+  gets a slot class it would not otherwise have.
+* A stateful draft's rollback: its one-row draft steps move the state past what the target
+  may accept, and ``keep_rows`` only rewinds within one forward. So the state after the
+  catch-up (the last accepted position) is copied to a second slot before drafting; when a
+  verify rejects a draft the draft itself computed, that copy is restored and the accepted
+  tokens are fed again in the next catch-up (recompute, at most ``rows - 1`` tokens). Cost:
+  two pool slots per drafting request, held until it ends, and a slot copy a round; the
+  per-row states ``keep_rows`` keeps would need every draft step in one forward, which a
+  draft that feeds on its own output cannot do.
+* Drafting is greedy (argmax): a point-mass proposal, so accepting a draft while it equals
+  the target's own draw at that row (kern.scheduler, kern.generate) is standard speculative
+  sampling, exact for greedy and sampled requests alike. The draft only changes how many
+  tokens a step yields, never which.
+* :class:`ModelDrafter` is the one-sequence drafter of ``kern run`` (kern.generate), over
+  pages of its own; the server batches the same steps across requests in the scheduler.
+  Both feed the draft every accepted token before it drafts again (a catch-up chunk), and
+  count as computed only the drafted positions that were accepted: the rest is overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kern.batch import SeqChunk
+from kern.config import ModelConfig, load_config
+from kern.errors import UsageError
+from kern.layout import Layout
+from kern.runner import Runner
+from kern.sampler import SamplingParams, sample
+
+__all__ = ["ModelDrafter", "argmax", "check_draft", "draft_layout"]
+
+_GREEDY = SamplingParams()
+
+
+def check_draft(target_dir: Path, draft_dir: Path, where: str) -> ModelConfig:
+    """Refuse a draft checkpoint kern cannot run beside the target (see the design notes);
+    returns its config. ``where`` names the key or flag that set it. Raises
+    :class:`UsageError`."""
+    draft_dir = Path(draft_dir)
+    if not draft_dir.is_dir():
+        raise UsageError(f"{where}: draft = {str(draft_dir)!r}: no such checkpoint folder")
+    try:
+        config = load_config(draft_dir)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{where}: draft checkpoint {draft_dir}: {e}") from None
+    target = load_config(target_dir)
+    if config.vocab_size != target.vocab_size:
+        raise UsageError(
+            f"{where}: the draft {draft_dir} has vocab_size {config.vocab_size}, the target "
+            f"{target_dir} {target.vocab_size}: a draft must share the target's vocabulary"
+        )
+    mine, theirs = _tokenizer(target_dir), _tokenizer(draft_dir)
+    if mine != theirs:
+        what = next(k for k in mine if mine[k] != theirs.get(k))
+        raise UsageError(
+            f"{where}: the draft's tokenizer differs from the target's ({what}): "
+            f"{target_dir / 'tokenizer.json'} vs {draft_dir / 'tokenizer.json'}"
+        )
+    return config
+
+
+def _tokenizer(folder: Path) -> dict[str, object]:
+    """What must be equal for two checkpoints to share token ids."""
+    from kern.checkpoint import _eos_token_ids
+    from kern.tokenizer import Tokenizer
+
+    config = load_config(folder)
+    tok = Tokenizer.from_dir(folder, extra_eos_token_ids=_eos_token_ids(folder, config))
+    raw = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    return {
+        "vocabulary": tok.backend.get_vocab(with_added_tokens=True),
+        "merges": raw.get("model", {}).get("merges"),
+        "special tokens": tok.special_tokens,
+        "end-of-sequence ids": tok.eos_token_ids,
+        "begin id": tok.bos_token_id,
+    }
+
+
+def draft_layout(
+    config: ModelConfig, dtype: torch.dtype, pool_page_bytes: int, page_tokens: int, where: str
+) -> Layout:
+    """The draft's layout inside pool pages of ``pool_page_bytes`` (the target's pages of
+    ``page_tokens`` tokens): ``page_tokens * m`` tokens a page, ``m`` the largest power of two
+    that fits (see the design notes). Raises :class:`UsageError` when not even ``m = 1``
+    fits, or when the CPU attention could not address a draft page inside a pool page."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    m, best = 1, None
+    while True:
+        layout = Layout.of(config, dtype, page_tokens * m)
+        if layout.page_bytes > pool_page_bytes:
+            break
+        # The CPU attention indexes K rows of page_tokens values and V chunks of
+        # page_tokens * head_dim values from the arena's start: the pool page must be a
+        # whole number of both.
+        stride = pool_page_bytes // itemsize
+        if pool_page_bytes % itemsize == 0 and stride % (layout.page_tokens * config.head_dim) == 0:
+            best = layout
+        m *= 2
+    if best is None:
+        per_token = Layout.of(config, dtype, 1).page_bytes
+        raise UsageError(
+            f"{where}: the draft's KV ({per_token} bytes a token) does not fit the target's "
+            f"{pool_page_bytes}-byte pages of {page_tokens} tokens: a draft must not need more "
+            "KV per token than the target"
+        )
+    return best
+
+
+def argmax(logits: torch.Tensor) -> list[int]:
+    """The greedy token of each row, as the sampler picks it (its tie-break included)."""
+    n = logits.shape[0]
+    return sample(logits, [_GREEDY] * n, [0] * n) if n else []
+
+
+class ModelDrafter:
+    """Greedy drafts from a draft model for one sequence, over a runner whose pages (and, for
+    a stateful draft, slots 0 and 1: the working state and the saved one) are its own
+    (``kern run``). Mutates the runner's pages and slots."""
+
+    def __init__(self, runner: Runner) -> None:
+        if runner.stateful and runner.num_slots < 2:
+            raise ValueError("a stateful draft needs two slots (working and saved)")
+        self.runner = runner
+        self.table = list(range(runner.num_pages))
+        self.num_computed = 0  # positions of the sequence in the draft's KV
+        self._base = 0  # the sequence's length at the last draft
+        self._k = 0  # drafts the last draft made
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]:
+        """``k`` greedy tokens after ``tokens`` (the whole sequence so far); computes what the
+        draft has not seen (every accepted token) first. Then call :meth:`accepted`."""
+        if k <= 0:
+            return []
+        run = self.runner
+        n = len(tokens)
+        if n + k - 1 > len(self.table) * run.page_tokens:
+            raise ValueError(f"the draft's pages hold {len(self.table) * run.page_tokens} tokens")
+        slot = 0 if run.stateful else None
+        chunk = SeqChunk(tokens[self.num_computed :], self.num_computed, self.table, slot=slot)
+        out = argmax(run.forward([chunk]))
+        if run.stateful and k > 1:
+            run.copy_slots([0], [1])  # the state at the last accepted token, for a rollback
+        while len(out) < k:
+            pos = n + len(out) - 1
+            out += argmax(run.forward([SeqChunk([out[-1]], pos, self.table, slot=slot)]))
+        self.num_computed = n
+        self._base = n
+        self._k = k
+        return out
+
+    def accepted(self, num_drafts: int) -> None:
+        """The last :meth:`draft`'s first ``num_drafts`` tokens were accepted: their KV (all
+        but the last draft's, which the draft never computed) is kept; a stateful draft goes
+        back to its saved state unless every draft it computed was accepted."""
+        kept = min(num_drafts, self._k - 1)
+        if self.runner.stateful and kept < self._k - 1:
+            self.runner.copy_slots([1], [0])
+            kept = 0
+        self.num_computed = self._base + kept
