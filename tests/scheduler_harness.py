@@ -163,3 +163,18 @@ class Harness:
         assert self.finish_reason(req) in ("stop", "length"), self.finish_reason(req)
         want = self.expected(req.prompt_ids, req.max_tokens, ignore_eos=req.ignore_eos)
         assert self.answer(req) == want, (req.prompt_ids, self.answer(req), want)
+
+
+def fresh(engine: Engine, **limits) -> Harness:
+    """A harness over ``engine`` with its cache emptied first."""
+    drop_cache(engine.cache)
+    return Harness(engine, **limits)
+
+
+def spec_counts(h: Harness) -> tuple[float, float]:
+    """Draft tokens verified and accepted so far (the Prometheus counters)."""
+    m = h.sched.metrics
+    return (
+        m.value("kern_spec_decode_num_draft_tokens_total"),
+        m.value("kern_spec_decode_num_accepted_tokens_total"),
+    )

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from scheduler_harness import Harness, drop_cache
+from scheduler_harness import fresh, spec_counts
 
 from kern.checkpoint import load_checkpoint
 from kern.engine import Engine
@@ -72,19 +72,6 @@ def engines(tiny_dir, draft_dir, stateful_draft_dir):
         return made[family, draft]
 
     return get
-
-
-def fresh(engine, **limits) -> Harness:
-    drop_cache(engine.cache)
-    return Harness(engine, **limits)
-
-
-def spec_counts(h: Harness) -> tuple[float, float]:
-    m = h.sched.metrics
-    return (
-        m.value("kern_spec_decode_num_draft_tokens_total"),
-        m.value("kern_spec_decode_num_accepted_tokens_total"),
-    )
 
 
 @pytest.mark.parametrize("draft_family", ["qwen3", "qwen3_5"])

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from scheduler_harness import Harness, drop_cache, load
+from scheduler_harness import Harness, fresh, load, spec_counts
 
 from kern.checkpoint import load_checkpoint
 from kern.generate import generate
@@ -44,19 +44,6 @@ def engines(tiny_dir):
         return made[family]
 
     return get
-
-
-def fresh(engine, **limits) -> Harness:
-    drop_cache(engine.cache)
-    return Harness(engine, **limits)
-
-
-def spec_counts(h: Harness) -> tuple[float, float]:
-    m = h.sched.metrics
-    return (
-        m.value("kern_spec_decode_num_draft_tokens_total"),
-        m.value("kern_spec_decode_num_accepted_tokens_total"),
-    )
 
 
 def test_ngram_drafter():
