@@ -62,22 +62,32 @@ def stateful_draft_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_dir, draft_dir, stateful_draft_dir):
+def moe_draft_dir(tmp_path_factory) -> Path:
+    """A 1-layer qwen3_moe draft (routed experts)."""
+    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("draftmoe"), seed=1, layers=1)
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(draft_dir, stateful_draft_dir, moe_draft_dir) -> dict[str, Path]:
+    return {"qwen3": draft_dir, "qwen3_5": stateful_draft_dir, "qwen3_moe": moe_draft_dir}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir, draft_dirs):
     made = {}
 
     def get(family: str, draft: str = "qwen3") -> Engine:
         if (family, draft) not in made:
-            folder = draft_dir if draft == "qwen3" else stateful_draft_dir
-            made[family, draft] = Engine.load(target(tiny_dir(family), folder))
+            made[family, draft] = Engine.load(target(tiny_dir(family), draft_dirs[draft]))
         return made[family, draft]
 
     return get
 
 
-@pytest.mark.parametrize("draft_family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("draft_family", FAMILIES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rows_5_with_a_draft_is_rows_1_alone_and_in_a_batch(
-    engines, draft_dir, stateful_draft_dir, family, draft_family
+    engines, draft_dirs, family, draft_family
 ):
     engine = engines(family, draft_family)
     assert engine.draft is not None
@@ -85,8 +95,7 @@ def test_rows_5_with_a_draft_is_rows_1_alone_and_in_a_batch(
     # One pool page holds one draft page of page_tokens * 2^m tokens.
     assert engine.draft.page_tokens >= PT
     assert engine.draft.layout.page_bytes <= engine.layout.page_bytes
-    folder = draft_dir if draft_family == "qwen3" else stateful_draft_dir
-    ckpt, draft = engine.checkpoint, load_checkpoint(folder)
+    ckpt, draft = engine.checkpoint, load_checkpoint(draft_dirs[draft_family])
     h = fresh(engine, rows=5)
     p = prompt(1, 11)
     alone = h.submit(p, 48, ignore_eos=True)
