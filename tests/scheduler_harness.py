@@ -4,6 +4,7 @@ holds, what is free), and answers are compared with ``kern.generate`` on the sam
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 from pathlib import Path
 
@@ -178,3 +179,9 @@ def spec_counts(h: Harness) -> tuple[float, float]:
         m.value("kern_spec_decode_num_draft_tokens_total"),
         m.value("kern_spec_decode_num_accepted_tokens_total"),
     )
+
+
+def prompt(seed: int, n: int, vocab: int = 500) -> list[int]:
+    """``n`` seeded random token ids in [1, vocab)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, vocab) for _ in range(n)]

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import random
 import shutil
 from pathlib import Path
 
 import pytest
-from scheduler_harness import fresh, spec_counts
+from scheduler_harness import fresh, prompt, spec_counts
 
 from kern.checkpoint import load_checkpoint
 from kern.engine import Engine
@@ -28,11 +27,6 @@ from kern.toml_config import Target
 
 PT = 4
 FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe")
-
-
-def prompt(seed: int, n: int, vocab: int = 500) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, vocab) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -17,18 +17,13 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from scheduler_harness import Harness, drop_cache, load
+from scheduler_harness import Harness, drop_cache, load, prompt
 
 from kern.scheduler import LimitError
 from kern.tiny import default_model_path
 
 PT = 4  # small pages: many of them, and hits that end mid-page
 QWEN3_PAGE = 2048  # bytes of a 4-token page of the tiny qwen3 (conftest's, seed 1)
-
-
-def prompt(seed: int, n: int, vocab: int = 500) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, vocab) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from scheduler_harness import Harness, fresh, load, spec_counts
+from scheduler_harness import Harness, fresh, load, prompt, spec_counts
 
 from kern.checkpoint import load_checkpoint
 from kern.generate import generate
@@ -27,11 +27,6 @@ from kern.tiny import default_model_path
 
 PT = 4
 FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe")
-
-
-def prompt(seed: int, n: int, vocab: int = 500) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, vocab) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -396,7 +391,6 @@ def test_rows_under_hypercorn_come_from_kern_rows(tmp_path, monkeypatch):
 def test_the_benchmarks_loop_rules():
     """kern.bench.spec measures answers that repeat themselves: an exact loop keeps one period
     of at most 8 tokens; a loose one only few distinct ids."""
-    import random
 
     from kern.bench.spec import _loop_start
 
