@@ -8,7 +8,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-use super::{LruKey, Prefix, Tier, ROOT};
+use super::{prefetch, prefetch_span, LruKey, Prefix, Tier, PREFETCH_BYTES, ROOT};
 use crate::error::{KernError, Result};
 use crate::host::Host;
 use crate::ids::{HostPageId, HostSlotId, NodeId, PageId, SlotId};
@@ -174,9 +174,16 @@ impl Prefix {
         park: bool,
         room: &mut Room,
     ) -> bool {
-        let Some(&(_, _, x)) = self.resident_lru.first() else {
+        let mut coldest = self.resident_lru.iter();
+        let Some(&(_, _, x)) = coldest.next() else {
             return false;
         };
+        // The coldest entries are cold in memory too: ask for this one's page list whole, and
+        // for the next one's node, before the books read them.
+        prefetch_span(&self.nodes[x as usize].pages, PREFETCH_BYTES);
+        if let Some(&(_, _, y)) = coldest.next() {
+            prefetch(&self.nodes[y as usize]);
+        }
         if let Some(host) = host.as_deref_mut().filter(|_| park) {
             let n = &self.nodes[x as usize];
             let (np, ns) = (n.pages.len(), usize::from(n.snapshot.is_some()));

@@ -67,6 +67,8 @@ const ROOT: u32 = 0;
 const NONE: u32 = u32::MAX;
 /// Up to this many children, a lookup compares first pages instead of hashing one.
 const SCAN_KIDS: usize = 4;
+/// How much of a run a walk asks for ahead of comparing it (see `prefetch_span`).
+const PREFETCH_BYTES: usize = 64 << 10;
 
 /// Order of eviction candidates: coldest first, and on a tie the deeper entry first (a path
 /// touched together goes leaf first). The index only makes the key unique.
@@ -339,6 +341,24 @@ fn prefetch<T>(x: &T) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = x;
+}
+
+/// Ask for the start of `xs` and the first line of each 4 KB page in its first `max` bytes: the
+/// hardware streams a run once it is read, but stops at every page boundary, and a cold run's
+/// pages then arrive one after another instead of together.
+#[inline(always)]
+fn prefetch_span(xs: &[u32], max: usize) {
+    let n = xs.len().min(max / 4);
+    if n == 0 {
+        return;
+    }
+    prefetch(&xs[0]);
+    let first_page = (xs.as_ptr() as usize & !4095) + 4096;
+    let mut i = (first_page - xs.as_ptr() as usize) / 4;
+    while i < n {
+        prefetch(&xs[i]);
+        i += 1024;
+    }
 }
 
 /// What a lookup passes through: the nodes entered, every one matched whole except perhaps the
@@ -899,13 +919,23 @@ impl Prefix {
             if rest.len() >= pt {
                 if let Some(c) = self.find_full(node, &rest[..pt]) {
                     let cn = &self.nodes[c as usize];
-                    // The next step reads one of these children: fetch them during the compare.
+                    let t = &cn.tokens;
+                    prefetch_span(t, PREFETCH_BYTES);
+                    // `read` copies its pages next, if the walk ends here or deeper.
+                    prefetch_span(&cn.pages, 256);
+                    // The next step reads one of these children (asked for one step ago): ask
+                    // for the head of its tokens and for its own children during the compare.
                     if let Kids::Few(k, ids) = &cn.kids {
                         for &g in &ids[..*k as usize] {
-                            prefetch(&self.nodes[g as usize]);
+                            let gn = &self.nodes[g as usize];
+                            prefetch_span(&gn.tokens, 256);
+                            if let Kids::Few(k, ids) = &gn.kids {
+                                for &h in &ids[..*k as usize] {
+                                    prefetch(&self.nodes[h as usize]);
+                                }
+                            }
                         }
                     }
-                    let t = &cn.tokens;
                     let l = lcp(t, rest);
                     w.path.push(c);
                     if l == t.len() {
