@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ class Trace:
     ops: list[tuple[int, int]]  # (START or FINISH, request)
     distinct: int  # distinct tokens (templates used + every turn's text)
     peak_tokens: int  # the most tokens the requests in flight hold at once
+    session_template: list[int] = field(default_factory=list)  # which system prompt
+    template_len: list[int] = field(default_factory=list)  # each system prompt's length
 
 
 def make_trace(num_requests: int, seed: int) -> Trace:
@@ -67,6 +70,7 @@ def make_trace(num_requests: int, seed: int) -> Trace:
     weights = 1.0 / np.arange(1, 9)
     weights /= weights.sum()
     sessions: list[np.ndarray] = []
+    session_template: list[int] = []
     turns: list[list[tuple[int, int]]] = []  # per session: (prompt_len, full_len) per turn
     used: set[int] = set()
     distinct = 0
@@ -87,6 +91,7 @@ def make_trace(num_requests: int, seed: int) -> Trace:
             spans.append((length + u, length + u + a))
             length += u + a
         sessions.append(np.concatenate([templates[k], tail]))
+        session_template.append(k)
         turns.append(spans)
         return len(sessions) - 1
 
@@ -95,7 +100,7 @@ def make_trace(num_requests: int, seed: int) -> Trace:
     next_turn = {s: 0 for s in open_}
     busy: set[int] = set()
     flight: list[int] = []
-    t = Trace(sessions, [], [], [], [], 0, 0)
+    t = Trace(sessions, [], [], [], [], 0, 0, session_template, [len(x) for x in templates])
     held = peak = 0
     while len(t.req_session) < num_requests or flight:
         idle = [s for s in open_ if s not in busy]
@@ -249,6 +254,26 @@ def replay_python(t: Trace, pt: int, budget: int) -> Run:
     return run
 
 
+def export(directory: str, t: Trace, n: int, pt: int, hits: list[int], write_trace: bool) -> None:
+    """Write the trace and kern's hit lengths for the floor model
+    (``cargo run --release --example floor -- DIR`` in rust/kern_pool): little-endian, see
+    examples/floor.rs for the layout."""
+    if write_trace:
+        offsets = np.cumsum([0] + [len(x) for x in t.sessions], dtype=np.uint64)
+        tl = [t.template_len[k] for k in t.session_template]
+        ops = [(kind, t.req_session[r], t.req_prompt[r], t.req_full[r]) for kind, r in t.ops]
+        head = [len(t.sessions), len(t.ops)]
+        with open(os.path.join(directory, f"trace_{n}.bin"), "wb") as f:
+            f.write(b"KERNTRC1")
+            f.write(np.asarray(head, "<u8").tobytes())
+            f.write(offsets.astype("<u8").tobytes())
+            f.write(np.asarray(t.session_template, "<u8").tobytes())
+            f.write(np.asarray(tl, "<u8").tobytes())
+            f.write(np.asarray(ops, "<u8").tobytes())
+            f.write(np.concatenate(t.sessions).astype("<u4").tobytes())
+    np.asarray(hits, "<u8").tofile(os.path.join(directory, f"hits_{n}_p{pt}.bin"))
+
+
 def stat(xs: list[float]) -> str:
     if not xs:
         return "-"
@@ -273,11 +298,22 @@ def main(argv: list[str] | None = None) -> None:
         help="runs of each tree, alternating, at the largest size (more at smaller sizes)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--export",
+        metavar="DIR",
+        help="also write each trace and kern's hit lengths to DIR for the floor model "
+        "(cargo run --release --example floor -- DIR, in rust/kern_pool)",
+    )
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.requests.split(",")]
     pts = [int(x) for x in args.page_tokens.split(",")]
     if args.runs < 1 or min(sizes) < 1 or min(pts) < 1:
         ap.error("--runs, --requests and --page-tokens must be positive")
+    if args.export:
+        try:
+            os.makedirs(args.export, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--export {args.export}: {e.strerror or e}")
     rows = []
     per_request: dict[tuple[int, int, str], float] = {}
     for n in sizes:
@@ -296,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
                     gc.collect()
                     runs[name].append(replay(t, pt, budget))
             k, p = runs["kern"][0], runs["python"][0]
+            if args.export:
+                export(args.export, t, n, pt, k.hits, write_trace=pt == pts[0])
             for r in runs["kern"] + runs["python"]:
                 if r.hits != k.hits or r.evicted != k.evicted:
                     raise SystemExit(
