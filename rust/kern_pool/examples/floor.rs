@@ -46,25 +46,47 @@ fn read_trace(path: &std::path::Path) -> Result<Trace, String> {
     let head = u64s(&b[8..24]);
     let (s, o) = (head[0] as usize, head[1] as usize);
     let mut at = 24;
-    let mut take = |bytes: usize| -> Result<&[u8], String> {
-        let out = b
-            .get(at..at + bytes)
-            .ok_or_else(|| format!("{}: truncated", path.display()))?;
-        at += bytes;
+    let truncated = || format!("{}: truncated", path.display());
+    let mut take = |count: usize, size: usize| -> Result<&[u8], String> {
+        let end = count
+            .checked_mul(size)
+            .and_then(|n| n.checked_add(at))
+            .ok_or_else(truncated)?;
+        let out = b.get(at..end).ok_or_else(truncated)?;
+        at = end;
         Ok(out)
     };
-    let offsets = u64s(take(8 * (s + 1))?);
-    let template = u64s(take(8 * s)?);
-    let template_len = u64s(take(8 * s)?);
-    let ops = u64s(take(32 * o)?)
+    let offsets = u64s(take(s.saturating_add(1), 8)?);
+    let template = u64s(take(s, 8)?);
+    let template_len = u64s(take(s, 8)?);
+    let ops: Vec<[u64; 4]> = u64s(take(o, 32)?)
         .chunks_exact(4)
         .map(|c| [c[0], c[1], c[2], c[3]])
         .collect();
     let n = *offsets.last().unwrap_or(&0) as usize;
-    let tokens = take(4 * n)?
+    let tokens = take(n, 4)?
         .chunks_exact(4)
         .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
         .collect();
+    // What the replay indexes by must hold, or it would panic mid-run: say so instead.
+    let bad = |what: &str| Err(format!("{}: {what}", path.display()));
+    if offsets.windows(2).any(|w| w[0] > w[1]) {
+        return bad("offsets decrease");
+    }
+    for (k, &tl) in template_len.iter().enumerate() {
+        if tl > offsets[k + 1] - offsets[k] {
+            return bad("a system prompt longer than its conversation");
+        }
+    }
+    for &[kind, session, prompt, full] in &ops {
+        let fits = (session as usize) < s
+            && prompt <= full
+            && full <= offsets[session as usize + 1] - offsets[session as usize]
+            && prompt >= template_len[session as usize];
+        if kind > 1 || !fits {
+            return bad("an op out of range");
+        }
+    }
     Ok(Trace {
         offsets,
         template,
@@ -159,8 +181,11 @@ fn main() -> Result<(), String> {
             .and_then(|x| x.strip_suffix(".bin"))
         {
             if let Some((n, pt)) = rest.split_once("_p") {
-                if let (Ok(n), Ok(pt)) = (n.parse(), pt.parse()) {
-                    found.insert((n, pt), p);
+                match (n.parse::<usize>(), pt.parse::<usize>()) {
+                    (Ok(n), Ok(pt)) if n > 0 && pt > 0 => {
+                        found.insert((n, pt), p);
+                    }
+                    _ => return Err(format!("{}: not hits_N_pP.bin", p.display())),
                 }
             }
         }
