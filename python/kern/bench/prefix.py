@@ -24,8 +24,9 @@ Timings are the cache calls of each request (building keys from the trace is not
 implementation after the other, ``--runs`` times each (alternating) at the largest size and
 proportionally more often at smaller ones (up to 10x), so every size replays about as many
 requests: a 2,000-request replay lasts 15-50 ms, and one scheduler hiccup on a shared machine
-would move a median of three. Medians reported. Pin the process to one core (``taskset -c 1``)
-on a shared machine.
+would move a median of three. Each of the ``--runs`` rounds replays every size and page size,
+so the sizes whose per-request costs are compared are measured in the same minutes. Medians
+reported. Pin the process to one core (``taskset -c 1``) on a shared machine.
 """
 
 from __future__ import annotations
@@ -316,43 +317,50 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--export {args.export}: {e.strerror or e}")
     rows = []
     per_request: dict[tuple[int, int, str], float] = {}
+    # Every size and page size is replayed in each round, so the per-request cost at one size
+    # is compared with the other's measured in the same minutes, not after them: the load of a
+    # shared machine drifts between the two.
+    traces = {n: make_trace(n, args.seed) for n in sizes}
+    cases = []  # (requests, page, device bytes, replays per round)
     for n in sizes:
-        t = make_trace(n, args.seed)
-        prompt_tokens = sum(t.req_prompt)
+        t = traces[n]
         for pt in pts:
             want = max(int(0.2 * t.distinct) // pt, -(-int(1.05 * t.peak_tokens) // pt) + 1)
-            budget = want * PAGE_BYTES
-            num_pages = Cache(
-                page_tokens=pt, page_bytes=PAGE_BYTES, device_bytes=budget
-            ).device.num_pages
-            runs: dict[str, list[Run]] = {"kern": [], "python": []}
-            num_runs = args.runs * min(10, max(1, max(sizes) // n))
-            for _ in range(num_runs):
+            cases.append((n, pt, want * PAGE_BYTES, min(10, max(1, max(sizes) // n))))
+    runs: dict[tuple[int, int, str], list[Run]] = {}
+    for _ in range(args.runs):
+        for n, pt, budget, reps in cases:
+            for _ in range(reps):
                 for name, replay in (("kern", replay_kern), ("python", replay_python)):
                     gc.collect()
-                    runs[name].append(replay(t, pt, budget))
-            k, p = runs["kern"][0], runs["python"][0]
-            if args.export:
-                export(args.export, t, n, pt, k.hits, write_trace=pt == pts[0])
-            for r in runs["kern"] + runs["python"]:
-                if r.hits != k.hits or r.evicted != k.evicted:
-                    raise SystemExit(
-                        f"{n} requests, page {pt}: {r.name} differs: hits {digest(r.hits)} vs "
-                        f"{digest(k.hits)}, evictions {r.evicted} vs {k.evicted}"
-                    )
-            print(
-                f"{n} requests, page {pt}: {t.distinct:,} distinct tokens, {num_pages:,} pages; "
-                f"{num_runs} runs each; "
-                f"identical hits (sha256 {digest(k.hits)}) and evictions ({k.evicted:,})",
-                flush=True,
-            )
-            for name in ("kern", "python"):
-                rs = runs[name]
-                secs = statistics.median(r.seconds for r in rs)
-                per_request[(n, pt, name)] = secs / n
-                mid = sorted(rs, key=lambda r: r.seconds)[len(rs) // 2]
-                rows.append((n, pt, name, n / secs, mid, sum(mid.hits) / prompt_tokens))
-            del k, p
+                    runs.setdefault((n, pt, name), []).append(replay(traces[n], pt, budget))
+    for n, pt, budget, reps in cases:
+        t = traces[n]
+        prompt_tokens = sum(t.req_prompt)
+        num_pages = Cache(
+            page_tokens=pt, page_bytes=PAGE_BYTES, device_bytes=budget
+        ).device.num_pages
+        k = runs[(n, pt, "kern")][0]
+        if args.export:
+            export(args.export, t, n, pt, k.hits, write_trace=pt == pts[0])
+        for r in runs[(n, pt, "kern")] + runs[(n, pt, "python")]:
+            if r.hits != k.hits or r.evicted != k.evicted:
+                raise SystemExit(
+                    f"{n} requests, page {pt}: {r.name} differs: hits {digest(r.hits)} vs "
+                    f"{digest(k.hits)}, evictions {r.evicted} vs {k.evicted}"
+                )
+        print(
+            f"{n} requests, page {pt}: {t.distinct:,} distinct tokens, {num_pages:,} pages; "
+            f"{args.runs * reps} runs each; "
+            f"identical hits (sha256 {digest(k.hits)}) and evictions ({k.evicted:,})",
+            flush=True,
+        )
+        for name in ("kern", "python"):
+            rs = runs[(n, pt, name)]
+            secs = statistics.median(r.seconds for r in rs)
+            per_request[(n, pt, name)] = secs / n
+            mid = sorted(rs, key=lambda r: r.seconds)[len(rs) // 2]
+            rows.append((n, pt, name, n / secs, mid, sum(mid.hits) / prompt_tokens))
     header = (
         "requests",
         "page",
