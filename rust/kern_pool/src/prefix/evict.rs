@@ -8,7 +8,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-use super::{prefetch, prefetch_span, LruKey, Prefix, Tier, PREFETCH_BYTES, ROOT};
+use super::{prefetch_node, prefetch_span, LruKey, Prefix, Tier, PREFETCH_BYTES, ROOT};
 use crate::error::{KernError, Result};
 use crate::host::Host;
 use crate::ids::{HostPageId, HostSlotId, NodeId, PageId, SlotId};
@@ -180,9 +180,11 @@ impl Prefix {
         };
         // The coldest entries are cold in memory too: ask for this one's page list whole, and
         // for the next one's node, before the books read them.
-        prefetch_span(&self.nodes[x as usize].pages, PREFETCH_BYTES);
+        let xn = &self.nodes[x as usize];
+        prefetch_span(&xn.pages, PREFETCH_BYTES);
+        prefetch_node(&self.nodes[xn.parent as usize]);
         if let Some(&(_, _, y)) = coldest.next() {
-            prefetch(&self.nodes[y as usize]);
+            prefetch_node(&self.nodes[y as usize]);
         }
         if let Some(host) = host.as_deref_mut().filter(|_| park) {
             let n = &self.nodes[x as usize];

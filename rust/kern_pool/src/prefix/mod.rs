@@ -343,6 +343,18 @@ fn prefetch<T>(x: &T) {
     let _ = x;
 }
 
+/// Ask for every line of a node (it spans three).
+#[inline(always)]
+fn prefetch_node(n: &Node) {
+    let p = (n as *const Node).cast::<u8>();
+    let mut at = 0;
+    while at < std::mem::size_of::<Node>() {
+        // SAFETY: `at` stays inside the node, so the pointer is in bounds of a live object.
+        prefetch(unsafe { &*p.add(at) });
+        at += 64;
+    }
+}
+
 /// Ask for the start of `xs` and the first line of each 4 KB page in its first `max` bytes: the
 /// hardware streams a run once it is read, but stops at every page boundary, and a cold run's
 /// pages then arrive one after another instead of together.
@@ -928,6 +940,8 @@ impl Prefix {
                     if let Kids::Few(k, ids) = &cn.kids {
                         for &g in &ids[..*k as usize] {
                             let gn = &self.nodes[g as usize];
+                            // Its second line (stamp, pages, locks) is read if the walk goes on.
+                            prefetch(&gn.pages);
                             prefetch_span(&gn.tokens, 256);
                             if let Kids::Few(k, ids) = &gn.kids {
                                 for &h in &ids[..*k as usize] {
