@@ -221,20 +221,20 @@ def test_a_tight_pool_serves_every_request_identically(
     total = engine.cache.stats().pages_free
     assert total < 64, total
     seen = {"dropped": 0, "refused": 0}
-    drop, alloc = h.sched._drop_drafts, h.sched._alloc_draft_pages
+    drop, alloc = h.sched._drop_drafts, h.sched._alloc_pages
 
     def counted_drop() -> bool:
         dropped = drop()
         seen["dropped"] += dropped
         return dropped
 
-    def counted_alloc(n: int):
-        pages = alloc(n)
-        seen["refused"] += pages is None
+    def counted_alloc(n: int, *, take_drafts: bool = True):
+        pages = alloc(n, take_drafts=take_drafts)
+        seen["refused"] += pages is None and not take_drafts
         return pages
 
     h.sched._drop_drafts = counted_drop
-    h.sched._alloc_draft_pages = counted_alloc
+    h.sched._alloc_pages = counted_alloc
     reqs = [h.submit(prompt(70 + i, 9 + 5 * i), 60, ignore_eos=True) for i in range(8)]
     most = 0
     while h.open:

@@ -413,33 +413,22 @@ class Scheduler:
         self.runner.park(plans)
         return room.fits
 
-    def _alloc_pages(self, n: int) -> list[int] | None:
-        """``n`` pages for the target, making room, and taking them from the draft's pages
-        when the tree has nothing left to give."""
+    def _alloc_pages(self, n: int, *, take_drafts: bool = True) -> list[int] | None:
+        """``n`` pages, making room; for the target (``take_drafts``) also taking running
+        requests' draft pages when the tree has nothing left to give, never for a draft."""
         if n <= 0:
             return []
         pages, room = self.cache.take_pages(n)  # make room and allocate, in one call
         self._land(room)
-        if pages is None and self._drop_drafts():
+        if pages is None and take_drafts and self._drop_drafts():
             pages, room = self.cache.take_pages(n)
             self._land(room)
         return None if pages is None else _ids(pages)
 
-    def _alloc_draft_pages(self, n: int) -> list[int] | None:
-        """``n`` pages for a request's draft KV: making room, never taking another's."""
-        pages, room = self.cache.take_pages(n)
-        self._land(room)
-        return None if pages is None else _ids(pages)
-
-    def _alloc_draft_slot(self) -> int | None:
-        """A slot for a request's stateful draft: making room, never taking another's."""
-        if not self._make_room(0, slots=1):
-            return None
-        return self.cache.alloc_slot()
-
-    def _alloc_slot(self) -> int | None:
+    def _alloc_slot(self, *, take_drafts: bool = True) -> int | None:
+        """A state slot, making room (and, as ``_alloc_pages``, taking draft memory)."""
         if not self._make_room(0, slots=1) and not (
-            self._drop_drafts() and self._make_room(0, slots=1)
+            take_drafts and self._drop_drafts() and self._make_room(0, slots=1)
         ):
             return None
         return self.cache.alloc_slot()
@@ -830,17 +819,17 @@ class Scheduler:
             end = computed + catch + max(num - 1, 0)  # positions the draft writes
             need = -(-end // dpt) - len(req.draft_table)
             if need > 0:
-                pages = self._alloc_draft_pages(need)
+                pages = self._alloc_pages(need, take_drafts=False)
                 if pages is None:
                     continue
                 req.draft_table.extend(pages)
             if draft.stateful:
                 if req.draft_slot is None:
-                    req.draft_slot = self._alloc_draft_slot()
+                    req.draft_slot = self._alloc_slot(take_drafts=False)
                     if req.draft_slot is None:
                         continue
                 if num > 1 and req.draft_saved is None:
-                    req.draft_saved = self._alloc_draft_slot()
+                    req.draft_saved = self._alloc_slot(take_drafts=False)
                     if req.draft_saved is None:
                         num = 1  # one draft needs no rollback
             go.append((req, catch, num))

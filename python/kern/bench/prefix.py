@@ -59,8 +59,8 @@ class Trace:
     ops: list[tuple[int, int]]  # (START or FINISH, request)
     distinct: int  # distinct tokens (templates used + every turn's text)
     peak_tokens: int  # the most tokens the requests in flight hold at once
-    session_template: list[int] = field(default_factory=list)  # which system prompt
-    template_len: list[int] = field(default_factory=list)  # each system prompt's length
+    session_template: list[int]  # each conversation's system prompt
+    template_len: list[int]  # each system prompt's length
 
 
 def make_trace(num_requests: int, seed: int) -> Trace:

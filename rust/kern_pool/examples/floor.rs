@@ -78,14 +78,18 @@ fn read_trace(path: &std::path::Path) -> Result<Trace, String> {
             return bad("a system prompt longer than its conversation");
         }
     }
+    // A conversation's turns only grow: its stored copy is extended, never cut.
+    let mut grown = vec![0u64; s];
     for &[kind, session, prompt, full] in &ops {
         let fits = (session as usize) < s
             && prompt <= full
             && full <= offsets[session as usize + 1] - offsets[session as usize]
-            && prompt >= template_len[session as usize];
+            && prompt >= template_len[session as usize]
+            && full >= grown[session as usize];
         if kind > 1 || !fits {
             return bad("an op out of range");
         }
+        grown[session as usize] = full;
     }
     Ok(Trace {
         offsets,
@@ -168,7 +172,10 @@ fn main() -> Result<(), String> {
         .nth(1)
         .ok_or("usage: floor DIR [RUNS] (DIR from python -m kern.bench.prefix --export DIR)")?;
     let runs: usize = match std::env::args().nth(2) {
-        Some(x) => x.parse().map_err(|_| format!("RUNS: not a count: {x}"))?,
+        Some(x) => match x.parse() {
+            Ok(r) if r > 0 => r,
+            _ => return Err(format!("RUNS: not a positive count: {x}")),
+        },
         None => 5,
     };
     // (requests, page) -> hits file
@@ -214,6 +221,13 @@ fn main() -> Result<(), String> {
                 "{}: {} hits for {starts} requests",
                 hits_path.display(),
                 hits.len()
+            ));
+        }
+        let prompts = t.ops.iter().filter(|o| o[0] == 0).map(|o| o[2]);
+        if hits.iter().zip(prompts).any(|(&h, p)| h > p) {
+            return Err(format!(
+                "{}: a hit longer than its prompt",
+                hits_path.display()
             ));
         }
         // As kern.bench.prefix: smaller traces replayed more often (up to 10x).

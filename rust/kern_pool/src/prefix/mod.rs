@@ -343,16 +343,19 @@ fn prefetch<T>(x: &T) {
     let _ = x;
 }
 
-/// Ask for every line of a node (it spans three).
+/// Ask for every line of a node (three or four, by its alignment).
 #[inline(always)]
 fn prefetch_node(n: &Node) {
     let p = (n as *const Node).cast::<u8>();
+    let size = std::mem::size_of::<Node>();
     let mut at = 0;
-    while at < std::mem::size_of::<Node>() {
+    while at < size {
         // SAFETY: `at` stays inside the node, so the pointer is in bounds of a live object.
         prefetch(unsafe { &*p.add(at) });
         at += 64;
     }
+    // SAFETY: the node's last byte; a node not aligned to a line may end on one more.
+    prefetch(unsafe { &*p.add(size - 1) });
 }
 
 /// Ask for the start of `xs` and the first line of each 4 KB page in its first `max` bytes: the
