@@ -14,7 +14,7 @@ from hypercorn.config import Config
 
 import kern.app
 from kern.app import App
-from kern.engine import Engine
+from kern.engine.load import Engine
 
 
 def main() -> None:

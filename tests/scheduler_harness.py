@@ -1,6 +1,6 @@
 """Drive a scheduler synchronously, in-process: no thread, no HTTP. Every step is followed by
 the cache's own integrity check and by the harness's books (what requests hold, what the tree
-holds, what is free), and answers are compared with ``kern.generate`` on the same ids."""
+holds, what is free), and answers are compared with ``kern.engine.generate`` on the same ids."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
-from kern.engine import Engine
-from kern.generate import generate
-from kern.scheduler import Event, Request
-from kern.toml_config import Target
+from kern.engine.generate import generate
+from kern.engine.load import Engine
+from kern.engine.scheduler import Event, Request
+from kern.kern_toml import Target
 
 
 def drop_cache(cache) -> None:

@@ -20,7 +20,7 @@ from kern.checkpoint import (
     expected_shapes,
     load_checkpoint,
 )
-from kern.config import CheckpointError, MissingFileError, UnsupportedModelError
+from kern.model_config import CheckpointError, MissingFileError, UnsupportedModelError
 from kern.tiny import make_tiny
 
 

@@ -59,7 +59,7 @@ def test_run_json_subprocess(tmp_path):
     out = kern("run", "--prompt-ids", "1,2,3", "--steps", "6", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    from kern.generate import generate
+    from kern.engine.generate import generate
 
     expected = generate(load_checkpoint(default_model_path()), [1, 2, 3], 6, threads=2).ids
     assert result["ids"] == expected
@@ -172,16 +172,16 @@ def test_sampling_flags(capsys):
 
 
 def test_stops_at_end_of_sequence(monkeypatch, capsys):
-    import kern.generate
+    import kern.engine.generate
 
-    real = kern.generate.generate
+    real = kern.engine.generate.generate
     im_end = 511
 
     def fake(*args, **kwargs):
         result = real(*args, **kwargs)
         return type(result)([*result.ids[:2], im_end, *result.ids[3:]], result.probes)
 
-    monkeypatch.setattr(kern.generate, "generate", fake)
+    monkeypatch.setattr(kern.engine.generate, "generate", fake)
     stopped = run_json(capsys, "--prompt", "x", "--steps", "5")
     assert stopped["ids"][-1] == im_end and len(stopped["ids"]) == 3
     assert stopped["finish_reason"] == "stop" and "<|im_end|>" not in stopped["text"]
@@ -204,9 +204,9 @@ def test_kern_test_passes_on_every_family(family, tmp_path, capsys):
 
 
 def test_kern_test_fails_when_rows_disagree(monkeypatch, capsys):
-    import kern.generate
+    import kern.engine.generate
 
-    real = kern.generate.generate
+    real = kern.engine.generate.generate
 
     def broken(checkpoint, prompt_ids, steps, *, rows=1, **kwargs):
         result = real(checkpoint, prompt_ids, steps, rows=rows, **kwargs)
@@ -214,7 +214,7 @@ def test_kern_test_fails_when_rows_disagree(monkeypatch, capsys):
             return type(result)([(result.ids[0] + 1) % 512, *result.ids[1:]], result.probes)
         return result
 
-    monkeypatch.setattr(kern.generate, "generate", broken)
+    monkeypatch.setattr(kern.engine.generate, "generate", broken)
     assert cli.main(["test", "--steps", "2", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert not report["ok"]
@@ -227,7 +227,7 @@ def test_kern_test_fails_when_rows_disagree(monkeypatch, capsys):
 
 def _result(ids, tops):
     """A GenerateResult whose probe at step s has logits tops[s] (descending) over ids 0.."""
-    from kern.generate import GenerateResult
+    from kern.engine.generate import GenerateResult
 
     probes = {s: (torch.tensor(t), torch.arange(len(t))) for s, t in enumerate(tops)}
     return GenerateResult(ids, probes)
@@ -260,9 +260,9 @@ def test_kern_test_compares_the_runner_with_the_reference():
 
 
 def test_kern_test_fails_when_the_runner_leaves_the_reference(monkeypatch, capsys):
-    import kern.generate
+    import kern.engine.generate
 
-    real = kern.generate.generate
+    real = kern.engine.generate.generate
 
     def broken(checkpoint, prompt_ids, steps, *, reference=False, **kwargs):
         result = real(checkpoint, prompt_ids, steps, reference=reference, **kwargs)
@@ -271,7 +271,7 @@ def test_kern_test_fails_when_the_runner_leaves_the_reference(monkeypatch, capsy
             return type(result)([(t + 1) % 512 for t in result.ids], probes)
         return result
 
-    monkeypatch.setattr(kern.generate, "generate", broken)
+    monkeypatch.setattr(kern.engine.generate, "generate", broken)
     assert cli.main(["test", "--steps", "2", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert [c["name"] for c in report["checks"] if not c["ok"]] == [

@@ -1,4 +1,4 @@
-"""Draft checkpoints (kern.draft, the scheduler's model drafts): for every target family, the
+"""Draft checkpoints (kern.engine.draft, the scheduler's model drafts): for every target family, the
 answer at rows 5 with a draft model (stateless qwen3, or stateful qwen3_5, whose state is
 rolled back after a rejection) is the rows-1 answer bit for bit, alone and in a batch, and
 ``kern run``'s at rows 5 with the same draft; seeded sampling too. The draft's pages and
@@ -18,12 +18,12 @@ import pytest
 from scheduler_harness import fresh, prompt, spec_counts
 
 from kern.checkpoint import load_checkpoint
-from kern.engine import Engine
+from kern.engine.generate import generate
+from kern.engine.load import Engine
+from kern.engine.sampler import SamplingParams
 from kern.errors import UsageError
-from kern.generate import generate
-from kern.sampler import SamplingParams
+from kern.kern_toml import Target
 from kern.tiny import make_tiny
-from kern.toml_config import Target
 
 PT = 4
 FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe")

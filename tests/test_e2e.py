@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kern.toml_config import Target, load_toml_config
+from kern.kern_toml import Target, load_toml_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "e2e"))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kern.invariance import run_invariance
+from kern.bench.invariance import run_invariance
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_5"])

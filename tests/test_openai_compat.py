@@ -16,7 +16,7 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 from test_server import KEY, MODEL, Server
 
-from kern import api
+from kern.server import api
 from kern.tiny import make_tiny
 
 

@@ -21,9 +21,9 @@ import torch
 
 from kern.batch import SeqChunk
 from kern.checkpoint import load_checkpoint
-from kern.config import parse_config
-from kern.generate import generate
-from kern.runner import Runner
+from kern.engine.generate import generate
+from kern.engine.runner import Runner
+from kern.model_config import parse_config
 from kern.tiny import _weights, make_tiny
 
 transformers = pytest.importorskip("transformers")

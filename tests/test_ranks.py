@@ -1,6 +1,6 @@
-"""Ranks (kern.ranks, kern.shard): what each rank reads, identity within a rank count (served
-under load == kern run at the same ranks), and faults: a rank killed while loading, while a
-step runs and while idle, or stopped (SIGSTOP), ends the server with exit code 101, one line
+"""Ranks (kern.engine.ranks, kern.engine.shard): what each rank reads, identity within a rank
+count (served under load == kern run at the same ranks), and faults: a rank killed while loading,
+while a step runs and while idle, or stopped (SIGSTOP), ends the server with exit code 101, one line
 naming the rank, and a free port, within the watchdog's bound.
 
 Every rank runs one thread (this machine has two cores for all of them).
@@ -23,9 +23,9 @@ import httpx
 import pytest
 import torch
 
-from kern.ranks import BEAT_S, EXIT_CODE, HANG_S, RankedRunner
-from kern.shard import Shard, ShardError, load_shard
-from kern.toml_config import TomlConfigError, load_toml_config
+from kern.engine.ranks import BEAT_S, EXIT_CODE, HANG_S, RankedRunner
+from kern.engine.shard import Shard, ShardError, load_shard
+from kern.kern_toml import TomlConfigError, load_toml_config
 
 PROMPTS = ["hello world, how", "the cat sat on the", "1, 2, 3, 4,", "once upon a time"]
 
@@ -220,7 +220,7 @@ class Server:
         """The rank processes this server started (waits for them to appear)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            pids = _children(self.proc.pid, "kern.ranks")
+            pids = _children(self.proc.pid, "kern.engine.ranks")
             if pids:
                 return pids
             time.sleep(0.02)
@@ -489,7 +489,7 @@ def test_two_nodes_on_loopback_join_through_the_environment(toml, tmp_path):
         text=True,
     )  # fmt: skip
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "kern.ranks"],
+        [sys.executable, "-m", "kern.engine.ranks"],
         env={**env, "RANK": "1", "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip

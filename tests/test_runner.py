@@ -11,11 +11,11 @@ from kern.backend import cpu_recurrence as recurrent
 from kern.backend.cpu import MIN_ROWS, ROW_TILE, CpuOps
 from kern.batch import SeqChunk, build_step
 from kern.checkpoint import load_checkpoint
+from kern.engine.runner import Runner
 from kern.kernels.causal_conv1d import reference as conv_ref
 from kern.kernels.gated_delta_rule import reference as gdr_ref
 from kern.kernels.paged_attention import reference as attn_ref
 from kern.kernels.pointwise import silu
-from kern.runner import Runner
 from kern.tiny import make_tiny
 
 PAGE = 16

@@ -26,7 +26,7 @@ from test_server import KEY, MODEL, Server, parse_metrics
 
 from kern import __version__
 from kern.checkpoint import load_checkpoint
-from kern.generate import generate
+from kern.engine.generate import generate
 
 KERN = [sys.executable, "-m", "kern.cli"]
 

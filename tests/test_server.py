@@ -1,5 +1,6 @@
 """The server over real HTTP: a `kern serve` subprocess on a free loopback port, driven with
-httpx and the official openai client, answers compared with `kern.generate` on the same ids."""
+httpx and the official openai client, answers compared with `kern.engine.generate` on the same
+ids."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from kern.checkpoint import load_checkpoint
 from kern.cli import probe_ulps
-from kern.generate import generate
+from kern.engine.generate import generate
 from kern.tiny import default_model_path
 
 KEY = "test-key"

@@ -1,5 +1,5 @@
-"""kern.splitter: a chat answer split into reasoning, content and tool calls, the same streamed
-in any pieces as whole."""
+"""kern.server.splitter: a chat answer split into reasoning, content and tool calls, the same
+streamed in any pieces as whole."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kern.splitter import Splitter, opens_reasoning
+from kern.server.splitter import Splitter, opens_reasoning
 
 CALL = '<tool_call>\n{"name": "get", "arguments": {"city": "Paris"}}\n</tool_call>'
 

@@ -2,7 +2,7 @@
 
 Design notes
 ------------
-* No web framework: a dict of routes, msgspec for every body (kern.api), and the scheduler
+* No web framework: a dict of routes, msgspec for every body (kern.server.api), and the scheduler
   behind a queue. The app tokenizes, validates against the limits, and turns the scheduler's
   token events into text; the scheduler only ever sees ints.
 * Configuration comes from the environment so ``hypercorn kern.app:app`` works as well as
@@ -31,7 +31,7 @@ Design notes
   for a whole answer gets a 503 in the error shape. ``kern serve`` drains on SIGTERM/SIGINT
   before hypercorn closes the connections; the lifespan shutdown drains as well.
 * Every HTTP request carries an id, ``X-Request-Id`` from the client or made here, echoed in
-  the response and in the one log line a generation request ends with (kern.logs). A stats
+  the response and in the one log line a generation request ends with (kern.server.logs). A stats
   line is logged every ``stats_interval`` seconds while there is work.
 """
 
@@ -54,12 +54,13 @@ from typing import Any
 
 import msgspec
 
-from kern import __version__, api, logs
-from kern.api import ApiError
-from kern.logs import RequestRecord, StatsLine, request_id
-from kern.sampler import SamplingParams
-from kern.scheduler import Event, LimitError, Request, Scheduler, start_scheduler
-from kern.splitter import Parts, Splitter, ToolCall, opens_reasoning
+from kern import __version__
+from kern.engine.sampler import SamplingParams
+from kern.engine.scheduler import Event, LimitError, Request, Scheduler, start_scheduler
+from kern.server import api, logs
+from kern.server.api import ApiError
+from kern.server.logs import RequestRecord, StatsLine, request_id
+from kern.server.splitter import Parts, Splitter, ToolCall, opens_reasoning
 
 __all__ = ["App", "Settings", "app"]
 
@@ -115,7 +116,7 @@ class _Choice:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     # Logprob entries already sent in a stream.
     sent_logprobs: int = 0
-    # Chat answers with a reasoning parser or tools: splits the text (kern.splitter).
+    # Chat answers with a reasoning parser or tools: splits the text (kern.server.splitter).
     split: Splitter | None = None
     reasoning: list[str] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
@@ -180,7 +181,7 @@ class Settings:
     """How to serve: ``kern serve`` passes its flags; under ``hypercorn kern.app:app`` they come
     from the environment (:meth:`from_env`)."""
 
-    # A checked kern.toml_config.Target (kern.targets); None: resolved from the environment.
+    # A checked kern.kern_toml.Target (kern.targets); None: resolved from the environment.
     target: Any = None
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY_BYTES
@@ -202,7 +203,7 @@ class Settings:
 
         env = os.environ
         parser = env.get("KERN_REASONING_PARSER") or None
-        from kern.toml_config import REASONING_PARSERS
+        from kern.kern_toml import REASONING_PARSERS
 
         if parser is not None and parser not in REASONING_PARSERS:
             raise UsageError(
@@ -279,7 +280,7 @@ def api_key(flag: str | None, file: Path | None, flag_name: str = "--api-key") -
 
 class App:
     """The ASGI application. Loads the model in :meth:`start` (at lifespan startup unless
-    called before), through ``load_engine`` (``kern.engine.Engine.load`` unless given: the
+    called before), through ``load_engine`` (``kern.engine.load.Engine.load`` unless given: the
     crash test passes one whose runner fails)."""
 
     def __init__(
@@ -295,7 +296,7 @@ class App:
         self.vocab_size = 0
         self.max_model_len = 0
         self.gen_defaults: dict[str, float] = {}
-        # The target's reasoning parser is on (kern.splitter).
+        # The target's reasoning parser is on (kern.server.splitter).
         self.reasoning = False
         self.grammars: Any = None
         self.created = int(time.time())
@@ -335,9 +336,9 @@ class App:
                     try:
                         await asyncio.to_thread(self.start)
                     except Exception as e:
-                        from kern.config import CheckpointError
                         from kern.errors import UsageError
-                        from kern.toml_config import TomlConfigError
+                        from kern.kern_toml import TomlConfigError
+                        from kern.model_config import CheckpointError
 
                         if isinstance(e, UsageError | CheckpointError | TomlConfigError):
                             log.error("%s", e)  # a user's mistake: one line
@@ -372,7 +373,7 @@ class App:
         return self.engine
 
     def _load(self) -> Scheduler:
-        from kern.engine import Engine
+        from kern.engine.load import Engine
         from kern.metrics import Metrics
 
         assert self.settings is not None and self.settings.target is not None
@@ -385,7 +386,7 @@ class App:
         self.max_model_len = engine.checkpoint.config.max_position_embeddings
         self.gen_defaults = sampling_defaults(target.checkpoint)
         self.reasoning = target.reasoning_parser is not None
-        from kern.structured import Grammars
+        from kern.engine.structured import Grammars
 
         self.grammars = Grammars(self.tokenizer, self.vocab_size)
         self.metrics = Metrics(self.model_name, self.max_model_len)
@@ -734,7 +735,7 @@ class App:
     async def _grammar(self, body: Any, opened: bool) -> Any:
         """The compiled grammar of the request's response_format or tools, or None.
         ``opened``: the prompt opened a reasoning block."""
-        from kern.structured import StructuredOutputError
+        from kern.engine.structured import StructuredOutputError
 
         think = ("must" if opened else "may") if self.reasoning else None
         tools = isinstance(body, api.ChatCompletionRequest) and body.tool_choice_name() != "none"

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from kern.config import CheckpointError, MissingFileError, ModelConfig, load_config
+from kern.model_config import CheckpointError, MissingFileError, ModelConfig, load_config
 from kern.tokenizer import Tokenizer
 
 __all__ = [
@@ -221,11 +221,11 @@ def load_checkpoint(
     cast to ``dtype`` and placed on ``device``. ``progress`` shows a progress bar on stderr;
     None shows it only when stderr is a terminal.
 
-    Raises :class:`~kern.config.CheckpointError` subclasses naming the file and what was
-    expected: :class:`~kern.config.MissingFileError`, :class:`MissingShardError`,
+    Raises :class:`~kern.model_config.CheckpointError` subclasses naming the file and what was
+    expected: :class:`~kern.model_config.MissingFileError`, :class:`MissingShardError`,
     :class:`PickleCheckpointError`, :class:`MissingTensorError`,
     :class:`UnexpectedTensorError`, :class:`TensorShapeError`, :class:`TensorError`, and those
-    of :func:`~kern.config.load_config`.
+    of :func:`~kern.model_config.load_config`.
     """
     path = Path(path)
     if not path.is_dir():

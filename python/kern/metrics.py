@@ -217,7 +217,8 @@ class Metrics:
         reg.register(_Labelled(ProcessCollector(registry=None), model_name))
 
     def finished(self, req: Any, reason: str, now: float) -> None:
-        """Record a request's end (scheduler thread): ``req`` is a ``kern.scheduler.Request``."""
+        """Record a request's end (scheduler thread): ``req`` is a
+        ``kern.engine.scheduler.Request``."""
         self.success[reason].inc()
         if reason == "abort":
             self.aborted.inc()

@@ -9,9 +9,9 @@ Design notes
   ``--host-bytes``, ``--page-tokens``) override the file's value. Every key remembers what set
   it (``Target.origin``), so an error names the file and key, or the flag.
 * A key kern does not implement for the command is refused, never ignored: ``ranks`` above 1
-  for a model ``parallel`` does not split (kern.shard) or on too few CUDA devices, and a draft
-  checkpoint kern cannot run beside the target (kern.draft: another tokenizer or vocabulary, KV
-  that does not fit the target's page, ranks above 1). ``draft = "ngram"``
+  for a model ``parallel`` does not split (kern.engine.shard) or on too few CUDA devices, and a
+  draft checkpoint kern cannot run beside the target (kern.engine.draft: another tokenizer or
+  vocabulary, KV that does not fit the target's page, ranks above 1). ``draft = "ngram"``
   (the default at rows > 1) or a draft checkpoint is the drafter ``kern run``, ``kern test``
   and ``kern serve`` use.
 * ``--rows R`` (``kern run``, ``kern serve``; ``KERN_ROWS`` under hypercorn) picks one of a
@@ -29,9 +29,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from kern.config import MissingFileError, ModelConfig, load_config
 from kern.errors import UsageError
-from kern.toml_config import Target, default_dtype, load_toml_config
+from kern.kern_toml import Target, default_dtype, load_toml_config
+from kern.model_config import MissingFileError, ModelConfig, load_config
 
 __all__ = ["FLAGS", "check_draft_target", "check_target", "choose_rows", "resolve_target"]
 
@@ -153,7 +153,7 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     if target.draft_checkpoint is not None:
         check_draft_target(target, config)
     if target.ranks != 1:
-        from kern.shard import Shard, ShardError
+        from kern.engine.shard import Shard, ShardError
 
         try:
             Shard(0, target.ranks, target.parallel).check(config)
@@ -163,12 +163,12 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
 
 
 def check_draft_target(target: Target, config: ModelConfig) -> None:
-    """A draft checkpoint: one rank only, and what kern.draft checks (the tokenizer, the
+    """A draft checkpoint: one rank only, and what kern.engine.draft checks (the tokenizer, the
     family, its KV inside the target's page)."""
     import torch
 
-    from kern.draft import check_draft, draft_layout
-    from kern.layout import Layout
+    from kern.engine.draft import check_draft, draft_layout
+    from kern.engine.layout import Layout
 
     where = target.where("draft")
     if target.ranks != 1:
@@ -184,7 +184,7 @@ def check_draft_target(target: Target, config: ModelConfig) -> None:
 
 
 def _check_ranks(target: Target) -> None:
-    """Where several ranks run: rank r on cuda:r, or all on the CPU (see kern.ranks)."""
+    """Where several ranks run: rank r on cuda:r, or all on the CPU (see kern.engine.ranks)."""
     if target.device.startswith("cuda"):
         import torch
 

@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from kern.checkpoint import expected_shapes, parse_dtype
-from kern.config import FAMILIES, ModelConfig, parse_config
+from kern.model_config import FAMILIES, ModelConfig, parse_config
 
 __all__ = ["DEFAULT_MODEL_ARGS", "SPECIAL_TOKENS", "default_model_path", "make_tiny"]
 
@@ -257,7 +257,7 @@ def make_tiny(
     ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``.
 
     Raises ``ValueError`` for an unknown family or an option that does not apply,
-    :class:`~kern.config.ConfigFieldError` for inconsistent sizes, and ``FileExistsError``
+    :class:`~kern.model_config.ConfigFieldError` for inconsistent sizes, and ``FileExistsError``
     when ``out_dir`` is not empty and ``overwrite`` is false. Same arguments, same bytes.
     """
     if family not in FAMILIES:

@@ -43,7 +43,7 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kern.config import CheckpointError, MissingFileError
+from kern.model_config import CheckpointError, MissingFileError
 
 __all__ = ["ChatTemplateError", "TextStream", "Tokenizer"]
 
@@ -115,8 +115,8 @@ class Tokenizer:
     def from_dir(cls, path: str | Path, *, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
         """Load a folder's ``tokenizer.json`` (required) and ``tokenizer_config.json`` (optional).
 
-        Raises :class:`~kern.config.MissingFileError` without ``tokenizer.json`` and
-        :class:`~kern.config.CheckpointError` for a file that does not parse.
+        Raises :class:`~kern.model_config.MissingFileError` without ``tokenizer.json`` and
+        :class:`~kern.model_config.CheckpointError` for a file that does not parse.
         """
         path = Path(path)
         file = path / "tokenizer.json"

@@ -28,7 +28,7 @@ from scenarios import SCENARIOS, Result, TargetGate, run_kern_test
 from summary import TargetReport, failed, write
 from tiny_models import RecipeError, make_missing, read_recipes
 
-from kern.toml_config import KernConfig, Target, TomlConfigError, load_toml_config
+from kern.kern_toml import KernConfig, Target, TomlConfigError, load_toml_config
 
 HERE = Path(__file__).resolve().parent
 

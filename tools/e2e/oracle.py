@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kern.cli import probe_ulps, read_probe
-from kern.toml_config import Target
+from kern.kern_toml import Target
 
 __all__ = [
     "MAX_ULPS",

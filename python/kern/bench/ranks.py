@@ -4,7 +4,7 @@ For each configuration (``--configs``, e.g. ``1x2,1x1,2x1``: ranks x threads per
 a process of its own, on a ``make-tiny`` qwen3 of ~88M parameters (``--model`` for another):
 
 * weights: the bytes of the tensors each rank holds (from the safetensors headers and
-  ``kern.shard``), and each rank's peak RSS after loading and building its runner (VmHWM;
+  ``kern.engine.shard``), and each rank's peak RSS after loading and building its runner (VmHWM;
   the arena is kept small, so this is the weights plus the process's fixed cost);
 * prefill: ``--batch`` prompts of ``--prompt`` tokens in one forward;
 * decode: ``--batch`` sequences at that context, ``--steps`` steps of one token each; the
@@ -46,8 +46,8 @@ def _hwm_mib(pid: int | str = "self") -> float:
 
 def _shard_bytes(model: Path, ranks: int) -> list[int]:
     from kern import checkpoint as ck
-    from kern.config import load_config
-    from kern.shard import Shard
+    from kern.engine.shard import Shard
+    from kern.model_config import load_config
 
     config = load_config(model)
     entries = ck._index_tensors(model, config)
@@ -70,7 +70,7 @@ def _shard_bytes(model: Path, ranks: int) -> list[int]:
 
 def one(model: Path, ranks: int, threads: int, args: argparse.Namespace) -> dict[str, Any]:
     """One configuration, in this process: the figures as a dict."""
-    from kern.toml_config import Target
+    from kern.kern_toml import Target
 
     torch.set_num_threads(threads)
     seqs, prompt = args.batch, args.prompt
@@ -79,7 +79,7 @@ def one(model: Path, ranks: int, threads: int, args: argparse.Namespace) -> dict
     target = Target(name="bench", checkpoint=model, ranks=ranks, threads=threads)
     ranked = None
     if ranks > 1:
-        from kern.ranks import Ranks
+        from kern.engine.ranks import Ranks
 
         ranked = Ranks.start(target)
         ckpt = ranked.load(progress=False)
@@ -87,7 +87,7 @@ def one(model: Path, ranks: int, threads: int, args: argparse.Namespace) -> dict
         ranked_runner = runner
     else:
         from kern.checkpoint import load_checkpoint
-        from kern.runner import Runner
+        from kern.engine.runner import Runner
 
         ckpt = load_checkpoint(model)
         runner = Runner.with_pages(ckpt, num_pages=num_pages, page_tokens=PAGE_TOKENS)

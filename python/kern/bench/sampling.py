@@ -2,7 +2,7 @@
 
 A batch of ``--batch`` sequences decodes ``--steps`` steps on the CPU (the embedded tiny model,
 or the ~88M one of ``kern.bench.forward`` with ``--model 100m``), as the scheduler runs them:
-one forward, then ``kern.sampler.sample`` over the batch's logits. Runs, in turn, on the
+one forward, then ``kern.engine.sampler.sample`` over the batch's logits. Runs, in turn, on the
 same runner: greedy with nothing else; greedy with presence, frequency and repetition
 penalties, a logit bias and ``min_tokens`` banning the end tokens (every processor kern
 has); greedy with every row held to a JSON schema (xgrammar's mask, each row's matcher fed
@@ -23,8 +23,8 @@ import torch
 
 from kern.batch import SeqChunk
 from kern.checkpoint import load_checkpoint
-from kern.runner import Runner
-from kern.sampler import Context, SamplingParams, TokenLog, sample
+from kern.engine.runner import Runner
+from kern.engine.sampler import Context, SamplingParams, TokenLog, sample
 from kern.tiny import default_model_path, make_tiny
 
 SCHEMA = {
@@ -42,7 +42,7 @@ def decode_steps(
     runner: Runner, prompts, params, steps: int, page: int, processed: bool, grammar=None
 ):
     """Per-step seconds of ``steps`` decode steps (forward + sample) of the batch; with
-    ``grammar`` (a compiled JSON schema and its kern.structured.Grammars), every row is held
+    ``grammar`` (a compiled JSON schema and its kern.engine.structured.Grammars), every row is held
     to it, a finished JSON starting the next at once."""
     n = len(prompts)
     pages = -(-(len(prompts[0]) + steps + 1) // page)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             repetition_penalty=1.2,
             logit_bias=tuple((t, 2.0) for t in range(3, 40)),
         )
-        from kern.structured import Grammars
+        from kern.engine.structured import Grammars
 
         grammars = Grammars(ckpt.tokenizer, vocab)
         compiled = grammars.compile({"type": "json_schema", "json_schema": {"schema": SCHEMA}})

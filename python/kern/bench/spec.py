@@ -3,8 +3,8 @@
 
 Design notes
 ------------
-* The path measured is the server's: :class:`kern.scheduler.Scheduler` over an engine
-  (:class:`kern.engine.Engine`), stepped on this thread, no HTTP. One request at a time,
+* The path measured is the server's: :class:`kern.engine.scheduler.Scheduler` over an engine
+  (:class:`kern.engine.load.Engine`), stepped on this thread, no HTTP. One request at a time,
   greedy, ``ignore_eos``; decode time runs from its first token to its last, so prefill is
   not in it. Each prompt is run at rows 1 and at rows R in the same process, alternating,
   best of ``--repeat``; the ratio is of the summed decode times.
@@ -49,8 +49,8 @@ __all__ = ["main"]
 
 
 def _engine(checkpoint: Path, rows: int, threads: int, draft: Path | None = None):
-    from kern.engine import Engine
-    from kern.toml_config import Target
+    from kern.engine.load import Engine
+    from kern.kern_toml import Target
 
     target = Target(
         name="bench",
@@ -67,7 +67,7 @@ class _Driver:
     """A scheduler at some rows over the engine, stepped here; one request at a time."""
 
     def __init__(self, engine, rows: int) -> None:
-        from kern.scheduler import Request
+        from kern.engine.scheduler import Request
 
         self.Request = Request
         self.done: dict[int, list[float]] = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kern.backend import Ops
-from kern.config import ModelConfig
+from kern.model_config import ModelConfig
 from kern.models.layers import Caches, DecoderModel, Tensors
 from kern.models.qwen3 import Qwen3
 from kern.models.qwen3_5 import Qwen3_5

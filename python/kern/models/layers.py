@@ -17,7 +17,7 @@ from torch import Tensor
 
 from kern.backend import Ops
 from kern.batch import Step
-from kern.config import ModelConfig
+from kern.model_config import ModelConfig
 
 Tensors = dict[str, Tensor]
 

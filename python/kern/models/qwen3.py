@@ -7,7 +7,7 @@ offset), RoPE rotates whole heads, attention scale head_dim ** -0.5.
 from __future__ import annotations
 
 from kern.backend import Ops
-from kern.config import ModelConfig
+from kern.model_config import ModelConfig
 from kern.models.layers import Attention, DecoderLayer, DecoderModel, DenseMLP, Tensors
 
 

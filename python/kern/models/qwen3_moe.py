@@ -22,13 +22,13 @@ import torch
 from torch import Tensor
 
 from kern.backend import Ops
-from kern.config import ModelConfig
+from kern.model_config import ModelConfig
 from kern.models.layers import Attention, DecoderLayer, DecoderModel, DenseMLP, Tensors
 
 
 class SparseMoE:
     """The router and the experts whose weights ``t`` holds: every expert, unless the tensors
-    are one expert-parallel rank's shard (``kern.shard``), which holds 1/N of them."""
+    are one expert-parallel rank's shard (``kern.engine.shard``), which holds 1/N of them."""
 
     def __init__(self, ops: Ops, c: ModelConfig, t: Tensors, prefix: str) -> None:
         self.ops = ops

@@ -15,7 +15,7 @@ bitwise equal to the reference's:
   prefill of the same tokens writes, position by position (a next turn reads the former,
   ``kern run`` computes the latter).
 
-Run ``python -m kern.invariance`` for a table over tiny checkpoints of every family.
+Run ``python -m kern.bench.invariance`` for a table over tiny checkpoints of every family.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from torch import Tensor
 
 from kern.batch import SeqChunk
 from kern.checkpoint import Checkpoint, load_checkpoint
-from kern.generate import generate
-from kern.runner import Runner
+from kern.engine.generate import generate
+from kern.engine.runner import Runner
 
 __all__ = ["Score", "check_decode_kv", "run_batched", "run_invariance", "run_rows"]
 
@@ -218,7 +218,7 @@ def run_invariance(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kern.invariance",
+        prog="python -m kern.bench.invariance",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

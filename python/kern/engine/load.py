@@ -10,10 +10,10 @@ Design notes
   ``num_chunks * chunk_bytes``, within one chunk of ``pool_bytes``; one host arena likewise
   for ``host_bytes``). Nothing is sized twice, so nothing has to be checked against itself.
 * Everything here runs on the thread that will run the scheduler (``start_scheduler``): the
-  model is loaded where it will be used (see ``kern.scheduler.start_scheduler``).
+  model is loaded where it will be used (see ``kern.engine.scheduler.start_scheduler``).
 * ``ops`` is the backend; a caller may pass its own (the reference path, or a failing one in
   the crash test) instead of threading flags through the layers.
-* A draft checkpoint (``draft = "path"``, kern.draft) is loaded here too, checked first (the
+* A draft checkpoint (``draft = "path"``, kern.engine.draft) is loaded here too, checked first (the
   same tokenizer, KV that fits the target's page), and its runner views the target runner's
   arena (``Runner.draft_runner``): no budget of its own, its pages (and, for a stateful
   draft, its slots: the pool's slots are sized for the larger state) are the pool's, taken
@@ -31,17 +31,17 @@ from typing import Any
 
 import torch
 
-from kern.arena import Geometry
 from kern.backend import Ops, make_ops
 from kern.checkpoint import Checkpoint, load_checkpoint
-from kern.config import load_config
+from kern.engine.arena import Geometry
+from kern.engine.layout import Layout
+from kern.engine.runner import Runner
+from kern.engine.scheduler import Event, Request, Scheduler
 from kern.errors import UsageError
-from kern.layout import Layout
+from kern.kern_toml import Target
 from kern.metrics import Metrics
+from kern.model_config import load_config
 from kern.pool import BudgetTooSmall, Cache
-from kern.runner import Runner
-from kern.scheduler import Event, Request, Scheduler
-from kern.toml_config import Target
 
 __all__ = ["CUDA_FREE_SHARE", "DEFAULT_POOL_BYTES", "Engine"]
 
@@ -69,13 +69,13 @@ class Engine:
     def load(cls, target: Target, *, ops: Ops | None = None) -> Engine:
         """Pin the thread count, load ``target``'s checkpoint, size the arenas from its
         budgets and build the runner over them (on ``ops``, default: the target's device).
-        A target with ``ranks`` above 1 is loaded by every rank (``kern.ranks``)."""
+        A target with ``ranks`` above 1 is loaded by every rank (``kern.engine.ranks``)."""
         if target.draft_checkpoint is not None:
             from kern.targets import check_draft_target
 
             check_draft_target(target, load_config(target.checkpoint))
         if target.ranks > 1:
-            from kern.ranks import load_engine
+            from kern.engine.ranks import load_engine
 
             return load_engine(target, ops=ops)
         torch.set_num_threads(target.threads)
@@ -83,7 +83,7 @@ class Engine:
         layout = Layout.of(load_config(target.checkpoint), ops.dtype, target.page_tokens)
         draft_lay = None
         if target.draft_checkpoint is not None:
-            from kern.draft import draft_layout
+            from kern.engine.draft import draft_layout
 
             draft_lay = draft_layout(
                 load_config(target.draft_checkpoint),

@@ -14,7 +14,7 @@ Design notes
   it, a negative one multiplied); ``frequency_penalty`` times each output token's count and
   ``presence_penalty`` once per output token seen, subtracted (OpenAI's); tokens ``banned``
   (end of sequence and stop ids before ``min_tokens``) set to -inf; then a structured-output
-  grammar's mask (kern.structured). Each touches its own row only, so a request's answer does
+  grammar's mask (kern.engine.structured). Each touches its own row only, so a request's answer does
   not depend on its batch.
 * Filtering is the usual order: temperature, then top-k, then top-p (the smallest set of
   most likely tokens whose probability reaches top_p; ties in rank are broken by token id),
@@ -95,7 +95,7 @@ class Context:
     tokens: Sequence[int]
     num_prompt: int
     banned: frozenset[int] = frozenset()
-    # A structured-output matcher (kern.structured.Matcher): masks the row's logits [1, V].
+    # A structured-output matcher (kern.engine.structured.Matcher): masks the row's logits [1, V].
     grammar: Any = None
     # The request's tokens as a tensor, kept across steps (converting a whole context to a
     # tensor every step cost ~10 us per 160 tokens per row); None: converted here.
@@ -246,7 +246,7 @@ def _process(
     assert x.shape[0] == n
     grammars = [(k, c.grammar) for k, c in enumerate(contexts) if c.grammar is not None]
     if grammars:
-        from kern.structured import Matcher, apply_all
+        from kern.engine.structured import Matcher, apply_all
 
         # kern's matchers fill one bitmask for the step; any other masks its own row.
         apply_all(x, [(k, g) for k, g in grammars if isinstance(g, Matcher)])

@@ -8,7 +8,7 @@ Design notes
 * Torch's intra-op thread count is pinned before anything runs and printed with every result:
   CPU float32 results can differ between 1 and 2 threads (docs/invariance.md), so an answer is only
   comparable with one computed at the same count. The default is fixed
-  (:data:`~kern.toml_config.DEFAULT_THREADS`), not the machine's core count.
+  (:data:`~kern.kern_toml.DEFAULT_THREADS`), not the machine's core count.
 * ``kern run`` is one request alone, greedy unless a sampling flag is given: it stops after
   ``--steps`` tokens or at an end-of-sequence token (kept in ``ids``; ``--ignore-eos`` runs on),
   as the server does with ``max_tokens``. ``text`` skips special tokens, as the server does.
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kern.config import FAMILIES, CheckpointError
 from kern.errors import UsageError
-from kern.toml_config import DEFAULT_THREADS, Target, TomlConfigError
+from kern.kern_toml import DEFAULT_THREADS, Target, TomlConfigError
+from kern.model_config import FAMILIES, CheckpointError
 
 __all__ = ["main", "probe_ulps", "read_probe"]
 
@@ -63,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_make_tiny(sub)
     _add_run(sub)
     _add_test(sub)
-    from kern.bench.serve import add_parser as _add_bench
-    from kern.serve import add_parser as _add_serve
+    from kern.cli.bench import add_parser as _add_bench
+    from kern.cli.serve import add_parser as _add_serve
 
     _add_serve(sub)
     _add_bench(sub)
@@ -299,13 +299,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     ranks = None
     if target.ranks > 1:
-        from kern.ranks import load_for_run
+        from kern.engine.ranks import load_for_run
 
         ranks, ckpt = load_for_run(target)
     else:
         ckpt = _load(target)
     draft = _load_draft(target) if rows > 1 else None
-    from kern.generate import generate
+    from kern.engine.generate import generate
 
     tok = ckpt.tokenizer
     if args.prompt is not None:
@@ -419,7 +419,7 @@ def _sampling(args: argparse.Namespace):
     }
     if not given:
         return None
-    from kern.sampler import SamplingParams
+    from kern.engine.sampler import SamplingParams
 
     # Asking for top-p/top-k/a seed without a temperature means sampling at temperature 1.
     given.setdefault("temperature", 1.0)
@@ -529,8 +529,8 @@ def _cmd_test(args: argparse.Namespace) -> int:
         )
     ckpt = _load(target)
     draft = _load_draft(target)
-    from kern.generate import generate
-    from kern.sampler import SamplingParams
+    from kern.engine.generate import generate
+    from kern.engine.sampler import SamplingParams
 
     tok = ckpt.tokenizer
     # float32 paths differ by rounding only (1e-6 to 5e-6 measured on the tiny models); bf16
@@ -705,6 +705,3 @@ def _label_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"{text!r} repeats a label")
     return labels
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_co
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
 misspelt ``page_token = 32`` silently ignored would serve with 16 and nobody would know. This
 module parses; whether a command can run what a target asks (a draft checkpoint of the same
-tokenizer whose KV fits the target's pages, kern.draft; ``ranks`` and ``parallel`` split
+tokenizer whose KV fits the target's pages, kern.engine.draft; ``ranks`` and ``parallel`` split
 only what kern implements) is
 :func:`kern.targets.check_target`'s call. A step at rows R verifies the last token and R - 1
 drafts, so ``rows`` also says how many tokens to draft; ``draft`` without a row shape above 1
@@ -78,9 +78,10 @@ _TARGET_KEYS = (
     "threads",
     "reasoning_parser",
 )
-# parallel values (kern.shard.PARALLEL; kept here so parsing imports nothing).
+# parallel values (kern.engine.shard.PARALLEL; kept here so parsing imports nothing).
 PARALLEL_MODES = ("tp", "ep")
-# reasoning_parser values (kern.splitter.REASONING_PARSERS; kept here so parsing imports nothing).
+# reasoning_parser values (kern.server.splitter.REASONING_PARSERS; kept here so parsing imports
+# nothing).
 REASONING_PARSERS = ("qwen3",)
 
 
@@ -97,7 +98,7 @@ class Target:
     dtype: str = "float32"
     device: str = "cpu"
     # None: on CUDA the server takes 85% of the memory free after loading the weights; on
-    # the CPU a fixed 256 MiB (kern.scheduler.DEFAULT_POOL_BYTES).
+    # the CPU a fixed 256 MiB (kern.engine.scheduler.DEFAULT_POOL_BYTES).
     pool_bytes: int | None = None
     host_bytes: int = 0
     page_tokens: int = 16
@@ -108,10 +109,11 @@ class Target:
     # rows > 1: n-gram lookup, the drafter that needs no model).
     draft: str | None = None
     ranks: int = 1
-    # How ranks split the model (kern.shard): "tp" or "ep".
+    # How ranks split the model (kern.engine.shard): "tp" or "ep".
     parallel: str = "tp"
     threads: int = DEFAULT_THREADS
-    # Split <think>...</think> into reasoning_content when serving chat (kern.splitter); None: off.
+    # Split <think>...</think> into reasoning_content when serving chat (kern.server.splitter);
+    # None: off.
     reasoning_parser: str | None = None
     # The rows this command decodes at (``--rows``, ``KERN_ROWS``); None: the widest declared.
     chosen_rows: int | None = None

@@ -162,7 +162,7 @@ class _Sampling(Struct, kw_only=True):
     functions: Any = None
     function_call: Any = None
     # {"type": "text" | "json_object" | "json_schema", ...}: checked and compiled by the app
-    # (kern.structured).
+    # (kern.engine.structured).
     response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: Any = None
@@ -264,7 +264,7 @@ class FunctionDef(Struct, kw_only=True, omit_defaults=True):
     # A JSON schema of the arguments object; none: any object.
     parameters: dict[str, Any] | None = None
     # Accepted either way: kern always enforces the schema of a call it parses (see
-    # kern.structured), which is what strict asks for.
+    # kern.engine.structured), which is what strict asks for.
     strict: bool | None = None
 
 

@@ -26,10 +26,10 @@ Design notes
   per-row states ``keep_rows`` keeps would need every draft step in one forward, which a
   draft that feeds on its own output cannot do.
 * Drafting is greedy (argmax): a point-mass proposal, so accepting a draft while it equals
-  the target's own draw at that row (kern.scheduler, kern.generate) is standard speculative
-  sampling, exact for greedy and sampled requests alike. The draft only changes how many
+  the target's own draw at that row (kern.engine.scheduler, kern.engine.generate) is standard
+  speculative sampling, exact for greedy and sampled requests alike. The draft only changes how many
   tokens a step yields, never which.
-* :class:`ModelDrafter` is the one-sequence drafter of ``kern run`` (kern.generate), over
+* :class:`ModelDrafter` is the one-sequence drafter of ``kern run`` (kern.engine.generate), over
   pages of its own; the server batches the same steps across requests in the scheduler.
   Both feed the draft every accepted token before it drafts again (a catch-up chunk), and
   count as computed only the drafted positions that were accepted: the rest is overwritten.
@@ -44,11 +44,11 @@ from pathlib import Path
 import torch
 
 from kern.batch import SeqChunk
-from kern.config import ModelConfig, load_config
+from kern.engine.layout import Layout
+from kern.engine.runner import Runner
+from kern.engine.sampler import SamplingParams, sample
 from kern.errors import UsageError
-from kern.layout import Layout
-from kern.runner import Runner
-from kern.sampler import SamplingParams, sample
+from kern.model_config import ModelConfig, load_config
 
 __all__ = ["ModelDrafter", "argmax", "check_draft", "draft_layout"]
 

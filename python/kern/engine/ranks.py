@@ -5,7 +5,7 @@ Design notes
 ------------
 * Rank 0 is the process the user started (``kern serve``, ``hypercorn kern.app:app``,
   ``kern run``): it runs the app, the scheduler and the cache's books, and starts ranks
-  1 .. N-1 itself (``python -m kern.ranks``; on other machines a user starts them, see
+  1 .. N-1 itself (``python -m kern.engine.ranks``; on other machines a user starts them, see
   docs/serve.md). They join through ``torch.distributed``: a TCPStore that rank 0 serves
   (where it puts its target first, so a rank needs nothing else to know what to load), a
   process group for the model's collectives (NCCL on CUDA, gloo on the CPU) and a gloo
@@ -18,7 +18,7 @@ Design notes
   the same geometry (rank 0's pool books, sent once at start), so page and slot ids mean the
   same everywhere and one plan lands on every rank. The broadcast's time is counted
   (``broadcast_seconds``) and reported by the benchmark.
-* Loading: every rank reads only its slices (``kern.shard.load_shard``); the progress bar
+* Loading: every rank reads only its slices (``kern.engine.shard.load_shard``); the progress bar
   is rank 0's. The engine is ready when every rank has built its runner (a barrier).
 * Faults (the bound is :data:`HANG_S` + :data:`BEAT_S`, about 11 s; a death is seen within
   :data:`BEAT_S`): every rank but 0 adds to its counter in the store every :data:`BEAT_S`
@@ -56,14 +56,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kern.arena import Geometry
 from kern.backend import make_ops
 from kern.checkpoint import Checkpoint
+from kern.engine.arena import Geometry
+from kern.engine.layout import Layout
+from kern.engine.runner import Runner
+from kern.engine.shard import Comm, Shard, check_shard, load_shard, shard_model
 from kern.errors import UsageError
-from kern.layout import Layout
-from kern.runner import Runner
-from kern.shard import Comm, Shard, check_shard, load_shard, shard_model
-from kern.toml_config import Target
+from kern.kern_toml import Target
 
 __all__ = ["BEAT_S", "EXIT_CODE", "HANG_S", "RankedRunner", "Ranks", "rendezvous"]
 
@@ -99,7 +99,7 @@ def rendezvous(num_ranks: int) -> tuple[str, int, int]:
       127.0.0.1 and a free port: every rank on this machine);
     - ``KERN_LOCAL_RANKS``: ranks 0 .. n-1 run on this machine, started by kern (default all
       of them); ranks n .. N-1 are started on the other machines, each with
-      ``python -m kern.ranks`` (``--store``, ``--rank``, ``--ranks``, ``--local-rank``, or
+      ``python -m kern.engine.ranks`` (``--store``, ``--rank``, ``--ranks``, ``--local-rank``, or
       ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
     """
     host = os.environ.get("MASTER_ADDR") or _LOCAL
@@ -147,7 +147,7 @@ class Ranks:
         port = self.store.port
         self.store.set("kern/target", pickle.dumps(target))
         for rank in range(1, num_local):
-            cmd = [sys.executable, "-m", "kern.ranks", "--store", f"{host}:{port}"]
+            cmd = [sys.executable, "-m", "kern.engine.ranks", "--store", f"{host}:{port}"]
             cmd += ["--rank", str(rank), "--ranks", str(self.num_ranks), "--local-rank", str(rank)]
             cmd += ["--parent", str(os.getpid())]
             self.procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
@@ -309,7 +309,8 @@ class RankedRunner:
             # A runner method this wrapper does not broadcast would change rank 0 alone and
             # leave the ranks apart: refuse it loudly instead.
             raise AttributeError(
-                f"Runner.{name} is not broadcast to the other ranks (kern.ranks.RankedRunner)"
+                f"Runner.{name} is not broadcast to the other ranks "
+                "(kern.engine.ranks.RankedRunner)"
             )
         return value
 
@@ -347,8 +348,8 @@ class RankedRunner:
 def load_engine(target: Target, *, ops: Any = None) -> Any:
     """``Engine.load`` for a target with ``ranks`` above 1: rank 0's engine, whose runner is a
     :class:`RankedRunner` (the pool budgets are per rank: every rank's arena is that size)."""
-    from kern.config import load_config
-    from kern.engine import Engine, _cache, default_pool_bytes
+    from kern.engine.load import Engine, _cache, default_pool_bytes
+    from kern.model_config import load_config
 
     if ops is not None:
         raise ValueError("a ranked target builds its backend on every rank; pass no ops")
@@ -450,7 +451,7 @@ def worker(host: str, port: int, rank: int, num_ranks: int, local_rank: int) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     env = os.environ.get
     p = argparse.ArgumentParser(
-        prog="python -m kern.ranks",
+        prog="python -m kern.engine.ranks",
         description="One rank of a target with ranks > 1, joining rank 0's store (kern starts "
         "the ranks of rank 0's machine itself; start the others' with this).",
     )

@@ -1,10 +1,10 @@
-"""kern.toml_config: targets, defaults, byte sizes, and errors that name key and file."""
+"""kern.kern_toml: targets, defaults, byte sizes, and errors that name key and file."""
 
 from __future__ import annotations
 
 import pytest
 
-from kern.toml_config import DEFAULT_THREADS, TomlConfigError, load_toml_config
+from kern.kern_toml import DEFAULT_THREADS, TomlConfigError, load_toml_config
 
 
 def write(tmp_path, text: str):

@@ -9,8 +9,8 @@ Design notes
 * One code path for prefill, decode and resume. A request is its tokens (prompt, then what it
   produced) and ``num_computed``, how many of them are in its KV. Each step computes the next
   chunk of ``tokens[num_computed:]``; a chunk that reaches the end asks for logits and yields a
-  token. Decoding is a chunk of one. The same shapes ``kern.generate`` runs, so a greedy answer
-  is the same bits as ``kern run`` on the CPU backend (batch- and chunk-invariant, see
+  token. Decoding is a chunk of one. The same shapes ``kern.engine.generate`` runs, so a greedy
+  answer is the same bits as ``kern run`` on the CPU backend (batch- and chunk-invariant, see
   docs/invariance.md).
 * Admission is first come, first served: the head of the queue is admitted once the pages for
   its whole prompt can be had (making room from the cache if need be), so a prefill never
@@ -36,7 +36,7 @@ Design notes
   the request keeps writing its own), so the same prompt again resumes there. If no slot or
   page can be had the snapshot is skipped: it is a cache, never a reason to wait.
 * Speculative rows (``rows`` > 1, docs/serve.md): a decode step of a request verifies its
-  last token and up to ``rows - 1`` n-gram drafts (kern.ngram) as one chunk with a row of
+  last token and up to ``rows - 1`` n-gram drafts (kern.engine.ngram) as one chunk with a row of
   logits each. Row j is sampled as plain decoding samples that position (its context with
   the drafts before it, draw index ``num_output + j``), drafts are kept while they equal
   those tokens, and the first mismatch is replaced by the row's token: the answer is the
@@ -45,7 +45,7 @@ Design notes
   (``Runner.keep_rows``), so nothing rejected or unsent is ever read, and the request-end
   snapshot sits where rows 1 puts it. Drafts use only the step budget the decode rows leave,
   never past ``max_tokens``, and a request with a grammar decodes one row at a time.
-* Draft checkpoints (``draft``, kern.draft): after the step is planned, the draft model runs
+* Draft checkpoints (``draft``, kern.engine.draft): after the step is planned, the draft model runs
   for the requests that draft: one forward of catch-up chunks (every token its KV lacks: the
   prompt at the first decode step, then what the last verify accepted, counted in the step
   budget with the drafts), then ``rows - 2`` one-row steps, batched, greedy. Its pages are
@@ -53,7 +53,7 @@ Design notes
   a request that cannot have them decodes one row that step. A target allocation that fails
   drops every running request's draft pages before it preempts anyone (``_drop_drafts``),
   so draft memory can never deadlock the target's. The pages (and a stateful draft's two
-  slots, kern.draft) are freed in ``_release`` (end, abort, preemption) and never inserted
+  slots, kern.engine.draft) are freed in ``_release`` (end, abort, preemption) and never inserted
   into the tree. After a verify, ``draft_computed`` keeps the accepted drafts the draft
   itself computed (all but its last); a stateful draft past a rejected one is restored to
   its saved state instead.
@@ -92,12 +92,12 @@ from typing import Any
 import numpy as np
 
 from kern.batch import SeqChunk
-from kern.draft import argmax
+from kern.engine.draft import argmax
+from kern.engine.ngram import NgramDrafter
+from kern.engine.runner import Runner
+from kern.engine.sampler import Context, LogprobEntry, SamplingParams, TokenLog, logprobs, sample
 from kern.metrics import Metrics
-from kern.ngram import NgramDrafter
 from kern.pool import Cache, Evicted, Match, PoolFull, Room
-from kern.runner import Runner
-from kern.sampler import Context, LogprobEntry, SamplingParams, TokenLog, logprobs, sample
 
 __all__ = ["Event", "LimitError", "Request", "Scheduler", "start_scheduler"]
 
@@ -129,9 +129,10 @@ class Request:
     # End of sequence and stop ids are banned until this many tokens are out.
     min_tokens: int = 0
     # Structured output: a matcher the sampler masks with and this thread feeds each token
-    # (kern.structured.Matcher; opaque here).
+    # (kern.engine.structured.Matcher; opaque here).
     grammar: Any = None
-    # Its tokens as a tensor for the penalties (kern.sampler.TokenLog), made when first needed.
+    # Its tokens as a tensor for the penalties (kern.engine.sampler.TokenLog), made when first
+    # needed.
     token_log: TokenLog | None = None
     # False for the 2nd..nth sequence of a request of n choices: its prompt counts once.
     counts_prompt: bool = True
@@ -161,7 +162,7 @@ class Request:
     draft_table: list[int] = field(default_factory=list)
     draft_computed: int = 0
     # A stateful draft's slots: its working state, and the state at the last accepted token
-    # kept while it drafts past it (kern.draft).
+    # kept while it drafts past it (kern.engine.draft).
     draft_slot: int | None = None
     draft_saved: int | None = None
     # perf_counter() seconds: submitted, first admitted, first and latest token (0: not yet).
@@ -205,7 +206,7 @@ class Scheduler:
         self.max_running = max_running
         # Positions a decode step verifies per sequence: 1 + up to rows - 1 n-gram drafts.
         self.rows = rows
-        # A draft checkpoint's runner over the same pool pages (kern.draft), or None: n-gram.
+        # A draft checkpoint's runner over the same pool pages (kern.engine.draft), or None: n-gram.
         self.draft = draft
         self.on_crash = on_crash
         self.stateful = runner.stateful
@@ -808,7 +809,7 @@ class Scheduler:
         pages from the pool (making room, never preempting: a request whose pages cannot be
         had, or whose draft KV was dropped since it was planned, decodes one row this step),
         one forward of catch-up chunks, then one 1-row step per further draft, batched across
-        requests; set each request's ``drafts`` (greedy, see kern.draft)."""
+        requests; set each request's ``drafts`` (greedy, see kern.engine.draft)."""
         draft = self.draft
         assert draft is not None
         dpt = draft.page_tokens

@@ -15,7 +15,7 @@ Design notes
   The device arena starts zeroed all the same, so even a masked read of a never-written page
   sees finite numbers; the host arena is only ever read where a park wrote it, and is left
   unwritten (the OS maps it on first touch).
-* A draft checkpoint's runner views the same device arena (kern.draft): its geometry has the
+* A draft checkpoint's runner views the same device arena (kern.engine.draft): its geometry has the
   pool's page stride (``page_stride``, the target's ``page_bytes``) and its own, smaller
   ``page_bytes``, so draft page ``p`` is the first bytes of pool page ``p``. The pool hands
   such pages to requests like any other, so the two models never share a page in use.
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from kern import pool
-from kern.layout import Layout
+from kern.engine.layout import Layout
 
 __all__ = ["Arena", "Geometry", "land"]
 

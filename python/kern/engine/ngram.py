@@ -10,11 +10,11 @@ Design notes
   stores), :meth:`NgramDrafter.draft` looks up ``max_n`` keys at most, so a request pays
   O(max_n) per token, whatever its length. The index keeps, per n-gram, only where its
   latest occurrence ended: the most recent continuation is the likeliest to repeat.
-* A value per sequence, owned by whoever drives it (``kern.generate`` for ``kern run``, the
+* A value per sequence, owned by whoever drives it (``kern.engine.generate`` for ``kern run``, the
   scheduler's request for the server); :meth:`NgramDrafter.sync` catches up with a token list
   that grew elsewhere (tokens the request produced at rows 1).
 * Drafts are only proposals: the target verifies them (greedy: its own argmax; sampling: its
-  own draw, see kern.sampler), so they change how many tokens a step yields, never which.
+  own draw, see kern.engine.sampler), so they change how many tokens a step yields, never which.
 """
 
 from __future__ import annotations

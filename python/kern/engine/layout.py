@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kern.config import ModelConfig
+from kern.model_config import ModelConfig
 
 __all__ = ["Layout"]
 

@@ -22,7 +22,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from kern.toml_config import REASONING_PARSERS
+from kern.kern_toml import REASONING_PARSERS
 
 __all__ = ["REASONING_PARSERS", "Parts", "Splitter", "ToolCall", "opens_reasoning"]
 

@@ -44,8 +44,8 @@ BACKLOG = 4096
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from kern.cli import _positive_int
-    from kern.logs import LEVELS
-    from kern.toml_config import DEFAULT_THREADS, REASONING_PARSERS
+    from kern.kern_toml import DEFAULT_THREADS, REASONING_PARSERS
+    from kern.server.logs import LEVELS
 
     p = sub.add_parser(
         "serve",
@@ -142,7 +142,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kern import logs
+    from kern.server import logs
     from kern.targets import FLAGS, check_target, choose_rows, resolve_target
 
     logs.configure(args.log_level)
@@ -334,7 +334,7 @@ def _seconds(text: str) -> float:
 
 
 def _device(text: str) -> str:
-    from kern.toml_config import TomlConfigError, check_device
+    from kern.kern_toml import TomlConfigError, check_device
 
     try:
         check_device(text, "--device")
@@ -345,7 +345,7 @@ def _device(text: str) -> str:
 
 def _bytes(minimum: int):
     def parse(text: str) -> int:
-        from kern.toml_config import TomlConfigError, parse_bytes
+        from kern.kern_toml import TomlConfigError, parse_bytes
 
         # A bare number is bytes, as in kern.toml.
         value: int | str = int(text) if text.isdigit() else text

@@ -6,7 +6,7 @@ Design notes
 * One sequence in a Runner of its own: the prompt is prefilled in one chunk, then each step
   is one decode chunk (``rows == 1``) or one verify chunk of ``1 + drafts`` rows
   (``rows > 1``), drafts from n-gram lookup in the context (:class:`NgramDrafter`), or from a
-  draft checkpoint (``draft``, :class:`kern.draft.ModelDrafter`, on pages of its own: the
+  draft checkpoint (``draft``, :class:`kern.engine.draft.ModelDrafter`, on pages of its own: the
   server takes them from its pool, which changes no token).
 * Verification keeps identity with ``rows == 1``: row j of a verify chunk yields the token
   plain decoding would pick at that position (same context, the sampler's draw index is the
@@ -29,10 +29,10 @@ from torch import Tensor
 from kern.backend import make_ops
 from kern.batch import SeqChunk
 from kern.checkpoint import Checkpoint
-from kern.draft import ModelDrafter
-from kern.ngram import NgramDrafter
-from kern.runner import Runner
-from kern.sampler import SamplingParams, sample
+from kern.engine.draft import ModelDrafter
+from kern.engine.ngram import NgramDrafter
+from kern.engine.runner import Runner
+from kern.engine.sampler import SamplingParams, sample
 
 __all__ = ["GenerateResult", "NgramDrafter", "generate"]
 
@@ -70,9 +70,9 @@ def generate(
     otherwise), verifying up to ``rows - 1`` drafted tokens per step, on ``device`` (the
     checkpoint's tensors are moved there by the runner), or through the torch reference path
     (``reference=True``, CPU float32, see ``kern.backend.ReferenceOps``), or on ``runner`` when
-    given (one whose pages are the sequence's own, e.g. ``kern.ranks``' ranked runner).
-    ``draft``: a draft checkpoint (checked by the caller, kern.draft) drafts instead of n-gram
-    lookup, greedy, on the same backend.
+    given (one whose pages are the sequence's own, e.g. ``kern.engine.ranks``' ranked runner).
+    ``draft``: a draft checkpoint (checked by the caller, kern.engine.draft) drafts instead of
+    n-gram lookup, greedy, on the same backend.
 
     Raises ``ValueError`` for an empty prompt, ``steps < 0`` or ``rows < 1``.
     """

@@ -389,7 +389,7 @@ def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) 
 
 def _decode_rate(args: argparse.Namespace, runner, tables, slots, repeat: int) -> float:
     from kern.batch import SeqChunk
-    from kern.sampler import GREEDY, sample
+    from kern.engine.sampler import GREEDY, sample
 
     batch = len(tables)
     prompt = [1] * args.prompt_tokens
@@ -414,13 +414,13 @@ def _baselines(
     """Per level, the runner's batched decode rate and the scheduler's output rate (no
     HTTP, at most ``level`` in flight, a new request submitted as one finishes, levels in
     order on one cache as the server sees them). Both on the scheduler's thread, which also
-    loads the model, as in the server (see ``kern.scheduler.start_scheduler``)."""
+    loads the model, as in the server (see ``kern.engine.scheduler.start_scheduler``)."""
     import threading
     from pathlib import Path
 
-    from kern.engine import Engine
-    from kern.scheduler import Request, Scheduler, start_scheduler
-    from kern.toml_config import Target
+    from kern.engine.load import Engine
+    from kern.engine.scheduler import Request, Scheduler, start_scheduler
+    from kern.kern_toml import Target
 
     target = Target(
         name="baseline", checkpoint=Path(args.baseline_model).resolve(), threads=args.threads

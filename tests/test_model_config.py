@@ -1,4 +1,5 @@
-"""kern.config: config.json parsing for each family, defaults equal to transformers', errors."""
+"""kern.model_config: config.json parsing for each family, defaults equal to transformers',
+errors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from kern.config import (
+from kern.model_config import (
     CheckpointError,
     ConfigFieldError,
     MissingFileError,

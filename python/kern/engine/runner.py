@@ -2,12 +2,12 @@
 
 Design notes
 ------------
-* The runner owns every tensor: the model, the device arena, the host arena (``kern.arena``)
+* The runner owns every tensor: the model, the device arena, the host arena (``kern.engine.arena``)
   and the backend (``ops``: CPU torch ops, CUDA Triton kernels, or the torch references). The
   scheduler hands it batches and the cache's plans, as ints and bytes, and never indexes a
   tensor itself.
-* One device arena per budget, viewed as pages and as slots (``kern.arena``), laid out by
-  ``kern.layout.Layout``:
+* One device arena per budget, viewed as pages and as slots (``kern.engine.arena``), laid out by
+  ``kern.engine.layout.Layout``:
   - KV pages: ``kv_arena[num_pages, num_attention_layers, 2, Hk, page_tokens, D]``. A page is
     ``page_tokens`` positions of every attention layer's K and V, contiguous, so copying,
     parking or waking a page is one row of the arena. Layer ``l`` reads and writes the
@@ -30,7 +30,7 @@ Design notes
   with a layout of its own: its pages are the first bytes of pool pages (``Geometry.page_stride``
   is the pool's page size), so the draft's KV comes from the same pool and budget, and this
   runner still owns the one tensor both read.
-* Park and wake plans land as one batched copy per arena per list (``kern.arena.land``).
+* Park and wake plans land as one batched copy per arena per list (``kern.engine.arena.land``).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from kern.arena import Arena, Geometry, land
 from kern.backend import Ops, make_ops
 from kern.batch import SeqChunk, build_step, validate
 from kern.checkpoint import Checkpoint
-from kern.layout import Layout
+from kern.engine.arena import Arena, Geometry, land
+from kern.engine.layout import Layout
 from kern.models import Caches, build_model
 from kern.pool import CopyPlan
 
@@ -126,7 +126,7 @@ class Runner:
 
     def draft_runner(self, checkpoint: Checkpoint, layout: Layout) -> Runner:
         """A runner for ``checkpoint`` (a draft model, ``layout`` from
-        ``kern.draft.draft_layout``) whose page ``p`` is the first ``layout.page_bytes`` of
+        ``kern.engine.draft.draft_layout``) whose page ``p`` is the first ``layout.page_bytes`` of
         this runner's page ``p``, and slot ``s`` (a stateful draft) this arena's slot ``s``:
         the same arena bytes, so the same pool's pages and slots. Raises ``ValueError`` when
         the layout's pages or states do not fit this runner's geometry."""

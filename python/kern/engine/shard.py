@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from kern import checkpoint as _ckpt
 from kern.checkpoint import Checkpoint, parse_dtype
-from kern.config import ModelConfig, load_config
+from kern.model_config import ModelConfig, load_config
 from kern.models.qwen3_moe import SparseMoE
 from kern.tokenizer import Tokenizer
 
