@@ -24,7 +24,8 @@ from kern.checkpoint import load_checkpoint
 from kern.engine.generate import generate
 from kern.engine.runner import Runner
 from kern.model_config import parse_config
-from kern.tiny import _weights, make_tiny
+from kern.tiny import make_tiny
+from kern.tiny.model import _weights
 
 transformers = pytest.importorskip("transformers")
 

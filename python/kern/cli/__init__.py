@@ -704,4 +704,3 @@ def _label_list(text: str) -> list[str]:
     if len(set(labels)) != len(labels):
         raise argparse.ArgumentTypeError(f"{text!r} repeats a label")
     return labels
-

@@ -1,0 +1,299 @@
+"""A tiny random-weight checkpoint folder: config.json, weights, generation config and the
+tokenizer's files (``kern.tiny.tokenizer``), written bit-identically from the arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from kern.checkpoint import expected_shapes, parse_dtype
+from kern.model_config import FAMILIES, ModelConfig, parse_config
+from kern.tiny.tokenizer import build_tokenizer, tokenizer_config
+
+# The embedded default model (python/kern/assets/tiny-qwen3) is make_tiny("qwen3", DIR,
+# **DEFAULT_MODEL_ARGS); tests/test_tiny.py regenerates it and compares bytes.
+DEFAULT_MODEL_ARGS: dict[str, Any] = {"seed": 0}
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(
+        layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512
+    ),
+    "qwen3_5": dict(
+        layers=4,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        intermediate=128,
+        vocab=512,
+        linear_key_heads=2,
+        linear_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        conv_kernel=4,
+        full_attention_interval=2,
+    ),
+    "qwen3_moe": dict(
+        layers=2,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=128,
+        vocab=512,
+        experts=8,
+        experts_per_tok=2,
+        moe_intermediate=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+    ),
+}
+
+
+def default_model_path() -> Path:
+    """The tiny qwen3 checkpoint shipped inside the package (``kern serve`` with no model)."""
+    path = importlib.resources.files("kern").joinpath("assets", "tiny-qwen3")
+    if not isinstance(path, Path):
+        # A zipped install: kern loads weights with mmap and needs real files.
+        raise RuntimeError(f"the embedded model is not on the filesystem ({path})")
+    return path
+
+
+def make_tiny(
+    family: str,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate: int | None = None,
+    vocab: int | None = None,
+    experts: int | None = None,
+    experts_per_tok: int | None = None,
+    moe_intermediate: int | None = None,
+    norm_topk_prob: bool | None = None,
+    decoder_sparse_step: int | None = None,
+    mlp_only_layers: Sequence[int] | None = None,
+    linear_key_heads: int | None = None,
+    linear_value_heads: int | None = None,
+    linear_key_head_dim: int | None = None,
+    linear_value_head_dim: int | None = None,
+    conv_kernel: int | None = None,
+    full_attention_interval: int | None = None,
+    tie_embeddings: bool = False,
+    dtype: str = "float32",
+    shards: int = 1,
+    overwrite: bool = False,
+) -> Path:
+    """Write a random-weight checkpoint of ``family`` to ``out_dir``; returns ``out_dir``.
+
+    Sizes left as None take the family's tiny defaults (``_DEFAULTS``); options that do not
+    apply to the family (``experts`` for ``qwen3``) must be None. ``dtype`` is the stored
+    dtype (``float32``/``bfloat16``/``float16``); ``shards > 1`` writes
+    ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+
+    Raises ``ValueError`` for an unknown family or an option that does not apply,
+    :class:`~kern.model_config.ConfigFieldError` for inconsistent sizes, and ``FileExistsError``
+    when ``out_dir`` is not empty and ``overwrite`` is false. Same arguments, same bytes.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r} (one of {', '.join(FAMILIES)})")
+    given = dict(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        vocab=vocab,
+        experts=experts,
+        experts_per_tok=experts_per_tok,
+        moe_intermediate=moe_intermediate,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=mlp_only_layers,
+        linear_key_heads=linear_key_heads,
+        linear_value_heads=linear_value_heads,
+        linear_key_head_dim=linear_key_head_dim,
+        linear_value_head_dim=linear_value_head_dim,
+        conv_kernel=conv_kernel,
+        full_attention_interval=full_attention_interval,
+    )
+    args = dict(_DEFAULTS[family])
+    for key, value in given.items():
+        if value is None:
+            continue
+        if key not in args:
+            raise ValueError(f"option {key!r} does not apply to family {family!r}")
+        args[key] = value
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, got {shards}")
+    storage_dtype = parse_dtype(dtype)
+
+    tokenizer, special_ids = build_tokenizer(args["vocab"])
+    config_json = _config_json(family, args, special_ids, tie_embeddings, dtype)
+    config = parse_config(config_json, source=f"make_tiny({family!r})")
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out}: not empty (pass overwrite=True / --force to replace)")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = _weights(config, seed, storage_dtype)
+    _write_weights(out, tensors, shards)
+    _write_json(out / "config.json", config_json)
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": special_ids["<|endoftext|>"],
+            "eos_token_id": [special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
+            "pad_token_id": special_ids["<|endoftext|>"],
+        },
+    )
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", tokenizer_config(special_ids))
+    return out
+
+
+def _config_json(
+    family: str, a: dict[str, Any], special: dict[str, int], tie: bool, dtype: str
+) -> dict[str, Any]:
+    n = a["layers"]
+    cfg: dict[str, Any] = {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": special["<|endoftext|>"],
+        "dtype": dtype,
+        "eos_token_id": special["<|im_end|>"],
+        "head_dim": a["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": a["hidden"],
+        "initializer_range": 0.02,
+        "intermediate_size": a["intermediate"],
+        "max_position_embeddings": 8192,
+        "num_attention_heads": a["heads"],
+        "num_hidden_layers": n,
+        "num_key_value_heads": a["kv_heads"],
+        "pad_token_id": special["<|endoftext|>"],
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tie,
+        "use_cache": True,
+        "vocab_size": a["vocab"],
+    }
+    if family == "qwen3":
+        cfg.update(
+            architectures=["Qwen3ForCausalLM"],
+            model_type="qwen3",
+            layer_types=["full_attention"] * n,
+            max_window_layers=n,
+            rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+            sliding_window=None,
+            use_sliding_window=False,
+        )
+    elif family == "qwen3_moe":
+        cfg.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            decoder_sparse_step=a["decoder_sparse_step"],
+            mlp_only_layers=sorted(a["mlp_only_layers"]),
+            moe_intermediate_size=a["moe_intermediate"],
+            norm_topk_prob=a["norm_topk_prob"],
+            num_experts=a["experts"],
+            num_experts_per_tok=a["experts_per_tok"],
+            output_router_logits=False,
+            rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+            router_aux_loss_coef=0.001,
+            sliding_window=None,
+            use_sliding_window=False,
+        )
+    else:
+        interval = a["full_attention_interval"]
+        cfg.update(
+            # The text-only form; published Qwen3.5 checkpoints nest this under text_config of
+            # a multimodal "qwen3_5" config, which kern reads as well.
+            architectures=["Qwen3_5ForCausalLM"],
+            model_type="qwen3_5_text",
+            layer_types=[
+                "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)
+            ],
+            linear_conv_kernel_dim=a["conv_kernel"],
+            linear_key_head_dim=a["linear_key_head_dim"],
+            linear_num_key_heads=a["linear_key_heads"],
+            linear_num_value_heads=a["linear_value_heads"],
+            linear_value_head_dim=a["linear_value_head_dim"],
+            rope_parameters={
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 10000000.0,
+                "rope_type": "default",
+            },
+        )
+    return dict(sorted(cfg.items()))
+
+
+def _weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    zero_centered = config.model_type == "qwen3_5"
+    tensors = {}
+    for name, shape in expected_shapes(config).items():
+        digest = hashlib.sha256(f"{seed}\0{name}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+        leaf = name.rsplit(".", 2)
+        if name.endswith("norm.weight"):
+            # linear_attn.norm is a plain gated RMSNorm (scales by w) even in Qwen3.5.
+            plain = not zero_centered or name.endswith("linear_attn.norm.weight")
+            t = (1.0 if plain else 0.0) + 0.1 * noise
+        elif leaf[-1] == "A_log":
+            u = torch.rand(shape, generator=gen, dtype=torch.float32)
+            t = torch.log(0.05 + 0.95 * u)
+        elif leaf[-1] == "dt_bias":
+            t = 1.0 + 0.1 * noise
+        elif name.endswith("conv1d.weight"):
+            t = noise / math.sqrt(shape[-1])
+        elif name.endswith(".bias"):
+            t = 0.02 * noise
+        elif name == "model.embed_tokens.weight":
+            # Tied, the embedding is also the output head, and the residual stream carries the
+            # last token's own row into its logits: at std 1 greedy text repeats one token from
+            # the first step. The self term shrinks with the square of the scale, the others
+            # linearly; at 1/(4 sqrt(hidden)) greedy text varies (logit std ~0.25).
+            t = noise / (4 * math.sqrt(shape[1])) if config.tie_word_embeddings else noise
+        else:  # projections, the router, lm_head: [out, in]
+            t = noise / math.sqrt(shape[-1])
+        tensors[name] = t.to(dtype).contiguous()
+    return tensors
+
+
+def _write_weights(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    metadata = {"format": "pt"}
+    if shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata=metadata)
+        return
+    names = list(tensors)
+    per = math.ceil(len(names) / shards)
+    weight_map = {}
+    total = 0
+    for k in range(shards):
+        part = {n: tensors[n] for n in names[k * per : (k + 1) * per]}
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(part, str(out / file), metadata=metadata)
+        for n, t in part.items():
+            weight_map[n] = file
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(out / "model.safetensors.index.json", index)
+
+
+def _write_json(file: Path, value: Any) -> None:
+    file.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
