@@ -200,10 +200,10 @@ impl Cache {
         Ok(r)
     }
 
-    /// `make_room(n, 0, park)`, then, when `n` pages fit, allocate them into `out` (cleared
+    /// `make_room(n, 0, true)`, then, when `n` pages fit, allocate them into `out` (cleared
     /// first; left empty when they do not fit, as `Room::fits` says): one call where a
-    /// scheduler makes room only to allocate.
-    pub fn take_pages_into(&mut self, n: usize, park: bool, out: &mut Vec<u32>) -> Result<Room> {
+    /// scheduler makes room only to allocate. The one way to allocate pages.
+    pub fn take_pages_into(&mut self, n: usize, out: &mut Vec<u32>) -> Result<Room> {
         out.clear();
         let room = if self.pool.fits(n as u64, 0) {
             Room {
@@ -211,7 +211,7 @@ impl Cache {
                 ..Room::default()
             }
         } else {
-            self.make_room(n as u64, 0, park)
+            self.make_room(n as u64, 0, true)
         };
         if room.fits {
             self.pool.alloc_into(Kind::Pages, n, out)?;

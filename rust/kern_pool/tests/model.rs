@@ -365,9 +365,7 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                 let mut past = Vec::new(); // a page past the key (fused only), freed at the end
                 let fresh = if fused {
                     let mut out = Vec::new();
-                    let room = cache
-                        .take_pages_into(total - shared + 1, true, &mut out)
-                        .unwrap();
+                    let room = cache.take_pages_into(total - shared + 1, &mut out).unwrap();
                     assert_eq!(out.len(), if room.fits { total - shared + 1 } else { 0 });
                     check_order(&mut recency, &room.evicted);
                     land(&mut mem, &mut counts, room.evicted);
@@ -386,7 +384,7 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                     let n = total - shared;
                     let mut out = Vec::new();
                     if cache.pages_free() >= n as u64 {
-                        let again = cache.take_pages_into(n, true, &mut out).unwrap();
+                        let again = cache.take_pages_into(n, &mut out).unwrap();
                         assert!(again.fits && again.evicted.is_empty());
                         Ok(out.into_iter().map(PageId).collect())
                     } else {

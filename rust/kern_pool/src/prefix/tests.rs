@@ -775,18 +775,18 @@ fn take_pages_makes_room_then_allocates() {
     put(&mut c, &[1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]); // 3 pages cached
     let mut out = Vec::new();
     // Fits at once: nothing evicted.
-    let room = c.take_pages_into(5, true, &mut out).unwrap();
+    let room = c.take_pages_into(5, &mut out).unwrap();
     assert!(room.fits && room.evicted.is_empty());
     assert_eq!(out.len(), 5);
     c.free_pages(&out).unwrap();
     // Needs the cached entry's pages: evicts it, then allocates.
-    let room = c.take_pages_into(8, true, &mut out).unwrap();
+    let room = c.take_pages_into(8, &mut out).unwrap();
     assert!(room.fits);
     assert_eq!((room.evicted.len(), room.pages_freed), (1, 3));
     assert_eq!(out.len(), 8);
     c.check_integrity().unwrap();
     // Cannot fit: nothing allocated, the list left empty.
-    let room = c.take_pages_into(1, true, &mut out).unwrap();
+    let room = c.take_pages_into(1, &mut out).unwrap();
     assert!(!room.fits && out.is_empty());
     c.check_integrity().unwrap();
 }

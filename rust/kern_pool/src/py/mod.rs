@@ -188,9 +188,9 @@ impl Cache {
         let n: usize = int_arg(n, "n")?;
         let (inner, ids) = (&mut self.inner, &mut self.alloc_ids);
         let room = if n as u64 >= DETACH_PAGES {
-            detached(py, || inner.take_pages_into(n, true, ids))?
+            detached(py, || inner.take_pages_into(n, ids))?
         } else {
-            guarded(|| inner.take_pages_into(n, true, ids))?
+            guarded(|| inner.take_pages_into(n, ids))?
         };
         let pages = room.fits.then(|| u32_bytes(py, ids));
         ids.clear();
