@@ -49,11 +49,9 @@ class Match:
 
 @final
 class Inserted:
-    """What ``Cache.insert`` did: how many leading tokens of the key the tree held before, and
-    how many parked entries the caller's pages made resident."""
+    """What ``Cache.insert`` did: how many parked entries the caller's pages made resident
+    (woken without a copy)."""
 
-    @property
-    def held(self) -> int: ...
     @property
     def woken(self) -> int: ...
 
@@ -71,6 +69,10 @@ class EntryKey:
 
 @final
 class CopyPlan:
+    """Copies the runner lands, one batched index copy per list: ``src_pages[i]`` to
+    ``dst_pages[i]``, ``src_states[i]`` to ``dst_states[i]``. A park plan copies device to
+    host, a wake plan host to device."""
+
     @property
     def src_pages(self) -> bytes: ...
     @property
@@ -84,6 +86,9 @@ class CopyPlan:
 
 @final
 class Woken:
+    """What ``Cache.wake`` brought back: the host-to-device copies to land before the pages are
+    read, and the entries woken."""
+
     @property
     def plan(self) -> CopyPlan: ...
     @property
@@ -116,15 +121,11 @@ class Evicted:
 @final
 class Room:
     """What ``Cache.make_room`` or ``Cache.take_pages`` did: the steps of the loop (land each
-    park plan before allocating or writing the pages), the device pages and slots they gave
-    back, and whether the room is there."""
+    park plan before allocating or writing the pages) and whether the room is there. What they
+    freed is counted from the steps."""
 
     @property
     def evicted(self) -> list[Evicted]: ...
-    @property
-    def pages_freed(self) -> int: ...
-    @property
-    def slots_freed(self) -> int: ...
     @property
     def fits(self) -> bool: ...
 
@@ -154,14 +155,13 @@ class Geometry:
 
 @final
 class Stats:
+    """Counters of the device pool, the host tier and the tree (what the gauges read).
+    Evictions are counted from the returned ``Evicted`` values alone."""
+
     @property
     def chunk_bytes(self) -> int: ...
     @property
-    def num_chunks(self) -> int: ...
-    @property
     def free_chunks(self) -> int: ...
-    @property
-    def page_capacity(self) -> int: ...
     @property
     def pages_used(self) -> int: ...
     @property
@@ -179,8 +179,6 @@ class Stats:
     @property
     def host_slots_used(self) -> int: ...
     @property
-    def host_slots_free(self) -> int: ...
-    @property
     def num_nodes(self) -> int: ...
     @property
     def resident_pages(self) -> int: ...
@@ -190,14 +188,6 @@ class Stats:
     def resident_states(self) -> int: ...
     @property
     def parked_states(self) -> int: ...
-    @property
-    def num_parked(self) -> int: ...
-    @property
-    def num_dropped_resident(self) -> int: ...
-    @property
-    def num_dropped_parked(self) -> int: ...
-    @property
-    def num_woken(self) -> int: ...
 
 @final
 class Cache:
@@ -234,10 +224,11 @@ class Cache:
 
     def make_room(self, pages: int = 0, slots: int = 0, park: bool = True) -> Room:
         """Evict until ``pages`` pages and ``slots`` slots can be allocated together; land each
-        park plan before allocating."""
+        park plan before allocating. ``park=False`` drops instead of parking (the scheduler
+        never asks for it; it is how a test empties a cache that has a host tier)."""
 
-    def take_pages(self, n: int, park: bool = True) -> tuple[bytes | None, Room]:
-        """``make_room(n, park=park)`` and, when the room fits, ``alloc_pages(n)`` in one call:
+    def take_pages(self, n: int) -> tuple[bytes | None, Room]:
+        """``make_room(n)`` and, when the room fits, ``n`` pages allocated, in one call:
         ``(pages, room)``, ``pages`` None when ``room.fits`` is False. Land each park plan
         before writing the pages. A call that evicted nothing returns the same ``Room``."""
 
@@ -257,7 +248,6 @@ class Cache:
     def wake(self, node: int) -> Woken:
         """Bring the parked part of ``node``'s path back, all or nothing (``PoolFull``)."""
 
-    def alloc_pages(self, n: int) -> bytes: ...
     def free_pages(self, pages: Buffer) -> None: ...
     def alloc_slot(self) -> int: ...
     def free_slot(self, slot: int) -> None: ...

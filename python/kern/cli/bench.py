@@ -369,7 +369,10 @@ def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) 
     pt = runner.page_tokens
     per_seq = -(-(args.prompt_tokens + args.max_tokens) // pt)
     try:
-        pages = np.frombuffer(cache.alloc_pages(batch * per_seq), np.uint32).tolist()
+        own, _ = cache.take_pages(batch * per_seq)  # the cache is empty: nothing to evict
+        if own is None:
+            raise PoolFull
+        pages = np.frombuffer(own, np.uint32).tolist()
         slots = [cache.alloc_slot() for _ in range(batch)] if runner.stateful else [None] * batch
     except PoolFull:
         from kern.errors import UsageError

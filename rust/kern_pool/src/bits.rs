@@ -34,10 +34,6 @@ impl Bits {
         self.len
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Out-of-range bits read as clear.
     #[inline]
     pub fn get(&self, i: u32) -> bool {

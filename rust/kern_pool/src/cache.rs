@@ -7,9 +7,12 @@
 use crate::error::{KernError, Result};
 use crate::host::Host;
 use crate::ids::{NodeId, PageId, SlotId};
-use crate::plan::{Room, WakePlan};
-use crate::pool::{Kind, Pool, PoolStats};
-use crate::prefix::{Inserted, Match, Prefix, PrefixStats};
+use crate::plan::{Room, Woken};
+use crate::pool::{Kind, Pool};
+use crate::prefix::Prefix;
+
+pub use crate::pool::PoolStats;
+pub use crate::prefix::{Inserted, Match, PrefixStats, StateHit};
 
 /// Sizes a cache is built from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,11 +28,55 @@ pub struct CacheConfig {
     pub min_slots: u32,
 }
 
+/// Counters of the device pool, the host tier and the tree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheStats {
     pub device: PoolStats,
     pub host: Option<PoolStats>,
     pub tree: PrefixStats,
+}
+
+/// How one arena (the device budget or the host tier) is cut: `num_chunks` chunks of
+/// `chunk_bytes`; page `p` at byte `p * page_bytes`, slot `s` at byte `s * slot_stride`. The
+/// runner allocates exactly `num_chunks * chunk_bytes` bytes and views them both ways.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub chunk_bytes: u64,
+    pub num_chunks: u32,
+    pub page_bytes: u64,
+    pub pages_per_chunk: u32,
+    pub slot_stride: u64,
+    pub slots_per_chunk: u32,
+}
+
+impl Geometry {
+    /// Page ids run over `[0, num_pages)`.
+    pub fn num_pages(&self) -> u64 {
+        u64::from(self.num_chunks) * u64::from(self.pages_per_chunk)
+    }
+
+    /// Slot ids run over `[0, num_slots)` (0 without slots).
+    pub fn num_slots(&self) -> u64 {
+        u64::from(self.num_chunks) * u64::from(self.slots_per_chunk)
+    }
+
+    /// The arena's size.
+    pub fn arena_bytes(&self) -> u64 {
+        u64::from(self.num_chunks) * self.chunk_bytes
+    }
+}
+
+impl From<&Pool> for Geometry {
+    fn from(p: &Pool) -> Self {
+        Geometry {
+            chunk_bytes: p.chunk_bytes(),
+            num_chunks: p.num_chunks(),
+            page_bytes: p.chunk_bytes() / u64::from(p.pages_per_chunk()),
+            pages_per_chunk: p.pages_per_chunk(),
+            slot_stride: p.slot_stride(),
+            slots_per_chunk: p.slots_per_chunk(),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -60,13 +107,24 @@ impl Cache {
         self.prefix.page_tokens()
     }
 
-    pub fn pool(&self) -> &Pool {
-        &self.pool
+    /// The device arena's geometry.
+    pub fn device_geometry(&self) -> Geometry {
+        Geometry::from(&self.pool)
     }
 
-    /// The host tier's pool, if there is one (its geometry sizes the host arena).
-    pub fn host_pool(&self) -> Option<&Pool> {
-        self.host.as_ref().map(Host::pool)
+    /// The host arena's geometry, if there is a host tier.
+    pub fn host_geometry(&self) -> Option<Geometry> {
+        self.host.as_ref().map(|h| Geometry::from(h.pool()))
+    }
+
+    /// Pages allocatable now without evicting anything.
+    pub fn pages_free(&self) -> u64 {
+        self.pool.available(Kind::Pages)
+    }
+
+    /// Can `pages` pages and `slots` slots be allocated together now, without evicting?
+    pub fn fits(&self, pages: u64, slots: u64) -> bool {
+        self.pool.fits(pages, slots)
     }
 
     /// Record each evicted or woken entry's whole token path in its key (for tests).
@@ -75,6 +133,7 @@ impl Cache {
     }
 
     /// Longest cached prefix, locked (release with `unlock(m.node)`); see `Prefix::match_prefix`.
+    #[cfg(test)]
     pub fn match_prefix(&mut self, tokens: &[u32]) -> Match {
         self.prefix.match_prefix(tokens)
     }
@@ -90,6 +149,7 @@ impl Cache {
         self.prefix.peek(tokens)
     }
 
+    #[cfg(test)]
     pub fn lock(&mut self, node: NodeId) -> Result<()> {
         self.prefix.lock(node)
     }
@@ -140,10 +200,10 @@ impl Cache {
         Ok(r)
     }
 
-    /// `make_room(n, 0, park)`, then, when `n` pages fit, allocate them into `out` (cleared
+    /// `make_room(n, 0, true)`, then, when `n` pages fit, allocate them into `out` (cleared
     /// first; left empty when they do not fit, as `Room::fits` says): one call where a
-    /// scheduler makes room only to allocate.
-    pub fn take_pages_into(&mut self, n: usize, park: bool, out: &mut Vec<u32>) -> Result<Room> {
+    /// scheduler makes room only to allocate. The one way to allocate pages.
+    pub fn take_pages_into(&mut self, n: usize, out: &mut Vec<u32>) -> Result<Room> {
         out.clear();
         let room = if self.pool.fits(n as u64, 0) {
             Room {
@@ -151,7 +211,7 @@ impl Cache {
                 ..Room::default()
             }
         } else {
-            self.make_room(n as u64, 0, park)
+            self.make_room(n as u64, 0, true)
         };
         if room.fits {
             self.pool.alloc_into(Kind::Pages, n, out)?;
@@ -165,20 +225,18 @@ impl Cache {
             .make_room(&mut self.pool, self.host.as_mut(), pages, slots, park)
     }
 
-    pub fn wake(&mut self, node: NodeId) -> Result<WakePlan> {
+    pub fn wake(&mut self, node: NodeId) -> Result<Woken> {
         self.prefix.wake(&mut self.pool, self.host.as_mut(), node)
     }
 
     /// Is this device page held by the tree?
+    #[cfg(test)]
     pub fn owns_page(&self, page: u32) -> bool {
         self.prefix.owns_page(page)
     }
 
-    /// `alloc_pages` as raw ids into `out` (cleared first), reusing the caller's buffer.
-    pub fn alloc_pages_into(&mut self, n: usize, out: &mut Vec<u32>) -> Result<()> {
-        self.pool.alloc_into(Kind::Pages, n, out)
-    }
-
+    /// Allocate `n` pages without making room (a scheduler calls `take_pages_into`).
+    #[cfg(test)]
     pub fn alloc_pages(&mut self, n: usize) -> Result<Vec<PageId>> {
         Ok(self
             .pool
@@ -228,5 +286,31 @@ impl Cache {
             host.check_integrity()?;
         }
         self.prefix.check_integrity(&self.pool, self.host.as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "books disagree")]
+    fn books_that_disagree_stop_the_call_in_every_build() {
+        let mut c = Cache::new(CacheConfig {
+            page_tokens: 2,
+            page_bytes: 64,
+            state_bytes: 0,
+            device_bytes: 64 * 8,
+            host_bytes: 0,
+            min_slots: 2,
+        })
+        .unwrap();
+        let page = c.alloc_pages(1).unwrap()[0].0;
+        c.insert(&[1, 2], &[page], None).unwrap();
+        let rest = c.pages_free() as usize;
+        c.alloc_pages(rest).unwrap();
+        // The pool forgets a page the tree holds; evicting the entry then frees it twice.
+        c.pool.free(Kind::Pages, &[page]).unwrap();
+        c.make_room(2, 0, false);
     }
 }

@@ -48,3 +48,16 @@ impl NodeId {
         }
     }
 }
+
+/// The raw id, as it crosses into Python or into a plan's id list.
+macro_rules! raw_u32 {
+    ($($id:ty),*) => {$(
+        impl From<$id> for u32 {
+            fn from(id: $id) -> u32 {
+                id.0
+            }
+        }
+    )*};
+}
+
+raw_u32!(PageId, SlotId, HostPageId, HostSlotId);

@@ -4,19 +4,54 @@
 
 use crate::ids::{HostPageId, HostSlotId, PageId, SlotId};
 
-/// Device → host copies for an entry being parked.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ParkPlan {
-    pub pages: Vec<(PageId, HostPageId)>,
-    pub states: Vec<(SlotId, HostSlotId)>,
+/// One side of a copy: the device arena or the host tier, each with its own id types.
+pub trait Side {
+    type Page: Copy + std::fmt::Debug + Eq + Into<u32>;
+    type Slot: Copy + std::fmt::Debug + Eq + Into<u32>;
 }
 
-/// Host → device copies for parked entries being woken, and which entries they were.
+/// The device arena: `PageId`s and `SlotId`s.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Device;
+
+/// The host tier: `HostPageId`s and `HostSlotId`s.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostTier;
+
+impl Side for Device {
+    type Page = PageId;
+    type Slot = SlotId;
+}
+
+impl Side for HostTier {
+    type Page = HostPageId;
+    type Slot = HostSlotId;
+}
+
+/// Copies the runner lands, one batched index copy per list: each `(src, dst)` pair of
+/// `pages` and of `states`. A park plan copies device → host (`CopyPlan<Device, HostTier>`),
+/// a wake plan host → device (`CopyPlan<HostTier, Device>`); Python sees both as `CopyPlan`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyPlan<Src: Side, Dst: Side> {
+    pub pages: Vec<(Src::Page, Dst::Page)>,
+    pub states: Vec<(Src::Slot, Dst::Slot)>,
+}
+
+impl<Src: Side, Dst: Side> Default for CopyPlan<Src, Dst> {
+    fn default() -> Self {
+        CopyPlan {
+            pages: Vec::new(),
+            states: Vec::new(),
+        }
+    }
+}
+
+/// What `wake` brought back: the host → device copies to land before the pages are read, and
+/// the entries woken.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct WakePlan {
-    pub pages: Vec<(HostPageId, PageId)>,
-    pub states: Vec<(HostSlotId, SlotId)>,
-    pub woken: Vec<EntryKey>,
+pub struct Woken {
+    pub plan: CopyPlan<HostTier, Device>,
+    pub keys: Vec<EntryKey>,
 }
 
 /// Names a tree entry: where its own tokens start (page-aligned) and end in the path from the
@@ -36,7 +71,7 @@ pub enum Evicted {
     /// The entry went to host memory; `dropped` are the parked entries removed to make room.
     Parked {
         key: EntryKey,
-        plan: ParkPlan,
+        plan: CopyPlan<Device, HostTier>,
         dropped: Vec<EntryKey>,
     },
     /// The entry was removed; `parked` says whether it was in host memory.

@@ -298,7 +298,7 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                 }
                 let snapshot = snapshot && stateful;
                 // Match locks what it returns.
-                let mut m = cache.match_prefix(&tokens);
+                let mut m = cache.match_prefix_with(&tokens, Vec::new());
                 let mut hit = m.hit_len as usize;
                 let mut locked = Vec::new();
                 if let Some(r) = recency.as_mut() {
@@ -325,12 +325,12 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                             Err(e) => panic!("wake: {e}"),
                         }
                     };
-                    if let Some(plan) = plan {
-                        for (h, d) in plan.pages {
+                    if let Some(woken) = plan {
+                        for (h, d) in woken.plan.pages {
                             let v = mem.host_pages.remove(&h.0).expect("woken page had content");
                             mem.dev_pages.insert(d.0, v);
                         }
-                        for (h, d) in plan.states {
+                        for (h, d) in woken.plan.states {
                             let v = mem
                                 .host_slots
                                 .remove(&h.0)
@@ -340,7 +340,7 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                     }
                     // Read the woken pages: a second match, its own lock, and the first one
                     // released.
-                    let again = cache.match_prefix(&tokens);
+                    let again = cache.match_prefix_with(&tokens, Vec::new());
                     cache.unlock(node).unwrap();
                     m = again;
                 }
@@ -365,9 +365,7 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                 let mut past = Vec::new(); // a page past the key (fused only), freed at the end
                 let fresh = if fused {
                     let mut out = Vec::new();
-                    let room = cache
-                        .take_pages_into(total - shared + 1, true, &mut out)
-                        .unwrap();
+                    let room = cache.take_pages_into(total - shared + 1, &mut out).unwrap();
                     assert_eq!(out.len(), if room.fits { total - shared + 1 } else { 0 });
                     check_order(&mut recency, &room.evicted);
                     land(&mut mem, &mut counts, room.evicted);
@@ -381,7 +379,17 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                     let room = cache.make_room(need, u64::from(snapshot), true);
                     check_order(&mut recency, &room.evicted);
                     land(&mut mem, &mut counts, room.evicted);
-                    cache.alloc_pages(total - shared).map_err(|_| ())
+                    // Pages without evicting more: when they are free, `take_pages_into` only
+                    // allocates.
+                    let n = total - shared;
+                    let mut out = Vec::new();
+                    if cache.pages_free() >= n as u64 {
+                        let again = cache.take_pages_into(n, &mut out).unwrap();
+                        assert!(again.fits && again.evicted.is_empty());
+                        Ok(out.into_iter().map(PageId).collect())
+                    } else {
+                        Err(())
+                    }
                 };
                 let Ok(fresh) = fresh else {
                     if let Some(node) = m.node {
@@ -428,9 +436,13 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
                     r.insert(&tokens, state.is_some());
                     r.lock(&locked, -1);
                 }
+                // A free refuses a page the tree owns and one already free, and changes nothing.
                 for p in pages.iter().chain(&past) {
                     assert!(
-                        cache.owns_page(*p) || cache.free_pages(&[*p]).is_err(),
+                        matches!(
+                            cache.free_pages(&[*p]),
+                            Err(KernError::OwnedByCache { .. } | KernError::NotAllocated { .. })
+                        ),
                         "page {p} neither the tree's nor free"
                     );
                 }
@@ -469,7 +481,7 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
     }
     // Evict everything resident: the device back at its start. What stays is parked entries,
     // and the host holds exactly their pages (check_integrity recounts that).
-    let all = u64::from(cache.pool().num_pages());
+    let all = cache.device_geometry().num_pages();
     let room = cache.make_room(all, 0, false);
     check_order(&mut recency, &room.evicted);
     land(&mut mem, &mut counts, room.evicted);

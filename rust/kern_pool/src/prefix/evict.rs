@@ -8,11 +8,13 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-use super::{prefetch_node, prefetch_span, LruKey, Prefix, Tier, PREFETCH_BYTES, ROOT};
+use super::{
+    books_agree, prefetch_node, prefetch_span, LruKey, Prefix, Tier, PREFETCH_BYTES, ROOT,
+};
 use crate::error::{KernError, Result};
 use crate::host::Host;
 use crate::ids::{HostPageId, HostSlotId, NodeId, PageId, SlotId};
-use crate::plan::{EntryKey, Evicted, ParkPlan, Room, WakePlan};
+use crate::plan::{CopyPlan, Device, EntryKey, Evicted, HostTier, Room, Woken};
 use crate::pool::{Kind, Pool};
 
 impl Prefix {
@@ -20,9 +22,7 @@ impl Prefix {
         let key = self.key(i);
         let n = &self.nodes[i as usize];
         let states: Vec<u32> = n.snapshot.into_iter().collect();
-        // The tree's books say these are allocated; a failure here is corruption, not input.
-        let freed = host.free(&n.pages, &states);
-        debug_assert!(freed.is_ok(), "{freed:?}");
+        books_agree(host.free(&n.pages, &states));
         self.stats.parked_pages -= n.pages.len() as u64;
         self.stats.parked_states -= states.len() as u64;
         self.remove_node(i);
@@ -35,16 +35,13 @@ impl Prefix {
     fn release_device(&mut self, i: u32, pool: &mut Pool) -> (u64, u64) {
         let n = &self.nodes[i as usize];
         self.owned_pages.put_all(&n.pages, false);
-        // The tree's books say these are allocated; a failure here is corruption, not input.
-        let freed = pool.free(Kind::Pages, &n.pages);
-        debug_assert!(freed.is_ok(), "{freed:?}");
+        books_agree(pool.free(Kind::Pages, &n.pages));
         let pages = n.pages.len() as u64;
         self.stats.resident_pages -= pages;
         let mut slots = 0;
         if let Some(s) = n.snapshot {
             self.owned_slots.clear(s);
-            let freed = pool.free(Kind::Slots, &[s]);
-            debug_assert!(freed.is_ok(), "{freed:?}");
+            books_agree(pool.free(Kind::Slots, &[s]));
             self.stats.resident_states -= 1;
             slots = 1;
         }
@@ -93,9 +90,9 @@ impl Prefix {
         host_pages: Vec<HostPageId>,
         host_states: Vec<HostSlotId>,
         room: &mut Room,
-    ) -> ParkPlan {
+    ) -> CopyPlan<Device, HostTier> {
         let n = &self.nodes[i as usize];
-        let plan = ParkPlan {
+        let plan = CopyPlan {
             pages: n
                 .pages
                 .iter()
@@ -252,7 +249,7 @@ impl Prefix {
         pool: &mut Pool,
         host: Option<&mut Host>,
         node: NodeId,
-    ) -> Result<WakePlan> {
+    ) -> Result<Woken> {
         let last = self.resolve(node)?;
         let mut chain = Vec::new();
         let mut i = last;
@@ -263,9 +260,9 @@ impl Prefix {
             i = self.nodes[i as usize].parent;
         }
         chain.reverse();
-        let mut plan = WakePlan::default();
+        let mut woken = Woken::default();
         if chain.is_empty() {
-            return Ok(plan);
+            return Ok(woken);
         }
         let host = host.ok_or(KernError::NoHostTier)?;
         let np: usize = chain
@@ -291,7 +288,7 @@ impl Prefix {
             let k = n.pages.len();
             let dev: Vec<u32> = dev_pages[pi..pi + k].to_vec();
             pi += k;
-            plan.pages.extend(
+            woken.plan.pages.extend(
                 n.pages
                     .iter()
                     .zip(&dev)
@@ -301,11 +298,10 @@ impl Prefix {
             let new_state = n.snapshot.map(|h| {
                 let d = dev_slots[si];
                 si += 1;
-                plan.states.push((HostSlotId(h), SlotId(d)));
+                woken.plan.states.push((HostSlotId(h), SlotId(d)));
                 d
             });
-            let freed = host.free(&n.pages, &old_state);
-            debug_assert!(freed.is_ok(), "{freed:?}");
+            books_agree(host.free(&n.pages, &old_state));
             self.owned_pages.put_all(&dev, true);
             if let Some(s) = new_state {
                 self.owned_slots.set(s);
@@ -323,9 +319,9 @@ impl Prefix {
                 n.tier = Tier::Resident;
             });
             self.update(parent, |p| p.num_resident_children += 1);
-            plan.woken.push(self.key(j));
+            woken.keys.push(self.key(j));
         }
         self.touch_up(last);
-        Ok(plan)
+        Ok(woken)
     }
 }

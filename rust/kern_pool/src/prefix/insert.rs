@@ -8,7 +8,7 @@
 //! scratch bitset; pages the tree already holds at their place are compared with the tree's,
 //! not marked.
 
-use super::{Node, Prefix, Tier, Walk, ROOT};
+use super::{books_agree, Node, Prefix, Tier, Walk, ROOT};
 use crate::bits::Bits;
 use crate::error::{KernError, Result};
 use crate::host::Host;
@@ -330,8 +330,7 @@ impl Prefix {
             return snapshot;
         };
         let old_states: Vec<u32> = n.snapshot.into_iter().collect();
-        let freed = host.free(&n.pages, &old_states);
-        debug_assert!(freed.is_ok(), "{freed:?}");
+        books_agree(host.free(&n.pages, &old_states));
         self.owned_pages.put_all(mine, true);
         if let Some(s) = snapshot {
             self.owned_slots.set(s);

@@ -70,6 +70,17 @@ const SCAN_KIDS: usize = 4;
 /// How much of a run a walk asks for ahead of comparing it (see `prefetch_span`).
 const PREFETCH_BYTES: usize = 64 << 10;
 
+/// A free of what the tree's books say is allocated (a node's pages or snapshot, on the device
+/// or the host). It fails only when those books disagree with the pool's: corruption, not
+/// input. It stops the call in every build, release too (the Python face's panic guard raises
+/// `CacheCorrupt`), since carrying on would let the pool hand the same page out twice.
+#[track_caller]
+fn books_agree(freed: Result<()>) {
+    if let Err(e) = freed {
+        panic!("the tree's books disagree with the pool's: {e}");
+    }
+}
+
 /// Order of eviction candidates: coldest first, and on a tie the deeper entry first (a path
 /// touched together goes leaf first). The index only makes the key unique.
 type LruKey = (u64, Reverse<u32>, u32);
@@ -815,6 +826,7 @@ impl Prefix {
     }
 
     /// Lock `node` and its ancestors so eviction leaves them alone. Locks nest.
+    #[cfg(test)]
     pub fn lock(&mut self, node: NodeId) -> Result<()> {
         let i = self.resolve(node)?;
         self.lock_index(i);
@@ -1016,6 +1028,7 @@ impl Prefix {
     /// Longest cached prefix of `tokens`, locked. Splits the node the hit ends inside right
     /// after the last page the hit read, unless it is parked, then refreshes and locks the
     /// hit's path only: release the lock with `unlock(m.node)`.
+    #[cfg(test)]
     pub fn match_prefix(&mut self, tokens: &[u32]) -> Match {
         self.match_prefix_with(tokens, Vec::new())
     }

@@ -40,7 +40,7 @@ fn hit(c: &Cache, tokens: &[u32]) -> (u32, u32) {
 }
 
 fn evict_all_order(c: &mut Cache) -> Vec<Vec<u32>> {
-    let room = c.make_room(c.pool().num_pages().into(), 0, false);
+    let room = c.make_room(c.device_geometry().num_pages(), 0, false);
     room.evicted
         .into_iter()
         .map(|e| match e {
@@ -145,7 +145,7 @@ fn siblings_sharing_a_partial_last_page_are_evicted_in_exact_lru_order() {
     let m = c.match_prefix(&conv(9));
     assert_eq!(m.hit_len, 8);
     // Its lock covers the template only: every sibling stays evictable.
-    let room = c.make_room(c.pool().num_pages().into(), 0, false);
+    let room = c.make_room(c.device_geometry().num_pages(), 0, false);
     let order: Vec<Vec<u32>> = room
         .evicted
         .iter()
@@ -177,7 +177,7 @@ fn match_splits_at_the_last_page_read_and_locks_only_that() {
     assert_eq!((m.hit_len, m.pages.len()), (8, 2));
     assert_eq!(c.stats().tree.num_nodes, 2);
     // The unread tail page is evictable, the read head is not.
-    let room = c.make_room(c.pool().num_pages().into(), 0, false);
+    let room = c.make_room(c.device_geometry().num_pages(), 0, false);
     assert_eq!(room.evicted.len(), 1);
     assert_eq!(hit(&c, &[1, 1, 1, 1, 2, 2, 2, 2, 3]), (8, 8));
     c.unlock(m.node.unwrap()).unwrap();
@@ -208,7 +208,7 @@ fn unlock_needs_a_lock_on_that_very_handle() {
     assert!(matches!(c.unlock(leaf), Err(KernError::NotLocked { .. })));
     c.check_integrity().unwrap();
     // Everything is evictable again: no count wrapped.
-    c.make_room(c.pool().num_pages().into(), 0, false);
+    c.make_room(c.device_geometry().num_pages(), 0, false);
     assert_eq!(c.stats().tree.num_nodes, 0);
     let stale = NodeId {
         index: leaf.index,
@@ -284,7 +284,7 @@ fn parked_counters_balance_when_an_insert_stops_inside_a_parked_entry() {
     ins(&mut c, &[1, 2, 3, 4]);
     // Room that could never fit evicts nothing; room for every page parks the entry.
     assert!(c.make_room(1 << 40, 0, true).evicted.is_empty());
-    c.make_room(c.pool().num_pages().into(), 0, true);
+    c.make_room(c.device_geometry().num_pages(), 0, true);
     assert_eq!(c.stats().tree.num_parked, 1);
     let held = ins(&mut c, &[1, 2, 9]);
     assert_eq!((held.held, held.woken), (2, 0));
@@ -292,7 +292,7 @@ fn parked_counters_balance_when_an_insert_stops_inside_a_parked_entry() {
     let m = c.match_prefix(&[1, 2, 3, 4]);
     assert_eq!((m.hit_len, m.resident_len), (4, 2));
     let woken = c.wake(m.node.unwrap()).unwrap();
-    assert_eq!(woken.woken.len(), 1);
+    assert_eq!(woken.keys.len(), 1);
     let s = c.stats().tree;
     assert_eq!(
         (
@@ -478,7 +478,7 @@ fn a_key_ending_inside_a_page_reads_it_and_no_more() {
     let m = c.match_prefix(&[1, 1]);
     assert_eq!((m.hit_len, m.pages.len()), (2, 1));
     // Only that page was read: it is locked and refreshed, the pages after it are not.
-    let room = c.make_room(c.pool().num_pages().into(), 0, false);
+    let room = c.make_room(c.device_geometry().num_pages(), 0, false);
     let left: Vec<u32> = room
         .evicted
         .iter()
@@ -592,7 +592,7 @@ fn page_checks_over_runs_name_the_first_bad_id() {
         p[at] = id;
         p
     };
-    let unallocated = c.pool().num_pages() - 1;
+    let unallocated = c.device_geometry().num_pages() as u32 - 1;
     let cases = [
         (
             with(70, mine[65]),
@@ -775,18 +775,18 @@ fn take_pages_makes_room_then_allocates() {
     put(&mut c, &[1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]); // 3 pages cached
     let mut out = Vec::new();
     // Fits at once: nothing evicted.
-    let room = c.take_pages_into(5, true, &mut out).unwrap();
+    let room = c.take_pages_into(5, &mut out).unwrap();
     assert!(room.fits && room.evicted.is_empty());
     assert_eq!(out.len(), 5);
     c.free_pages(&out).unwrap();
     // Needs the cached entry's pages: evicts it, then allocates.
-    let room = c.take_pages_into(8, true, &mut out).unwrap();
+    let room = c.take_pages_into(8, &mut out).unwrap();
     assert!(room.fits);
     assert_eq!((room.evicted.len(), room.pages_freed), (1, 3));
     assert_eq!(out.len(), 8);
     c.check_integrity().unwrap();
     // Cannot fit: nothing allocated, the list left empty.
-    let room = c.take_pages_into(1, true, &mut out).unwrap();
+    let room = c.take_pages_into(1, &mut out).unwrap();
     assert!(!room.fits && out.is_empty());
     c.check_integrity().unwrap();
 }
