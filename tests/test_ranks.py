@@ -1,4 +1,4 @@
-"""Ranks (kern.engine.ranks, kern.engine.shard): what each rank reads, identity within a rank
+"""Ranks (kern.engine.ranks, kern.engine.ranks.shard): what each rank reads, identity within a rank
 count (served under load == kern run at the same ranks), and faults: a rank killed while loading,
 while a step runs and while idle, or stopped (SIGSTOP), ends the server with exit code 101, one line
 naming the rank, and a free port, within the watchdog's bound.
@@ -23,8 +23,9 @@ import httpx
 import pytest
 import torch
 
-from kern.engine.ranks import BEAT_S, EXIT_CODE, HANG_S, RankedRunner
-from kern.engine.shard import Shard, ShardError, load_shard
+from kern.engine.ranks.launch import BEAT_S, EXIT_CODE, HANG_S
+from kern.engine.ranks.runner import RankedRunner
+from kern.engine.ranks.shard import Shard, ShardError, load_shard
 from kern.kern_toml import TomlConfigError, load_toml_config
 
 PROMPTS = ["hello world, how", "the cat sat on the", "1, 2, 3, 4,", "once upon a time"]
@@ -177,7 +178,7 @@ def test_a_runner_call_that_is_not_broadcast_is_refused():
         def rewind(self) -> None:
             raise AssertionError("must not run on rank 0 alone")
 
-    runner = RankedRunner(Fake(), ranks=None)  # type: ignore[arg-type]
+    runner = RankedRunner(Fake(), send=None, guard=None)  # type: ignore[arg-type]
     assert runner.stateful is False and runner.kv_at() == "rank 0's heads"
     with pytest.raises(AttributeError, match=r"Runner.rewind is not broadcast"):
         runner.rewind()

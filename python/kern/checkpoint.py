@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,9 +46,11 @@ __all__ = [
     "TensorError",
     "TensorShapeError",
     "UnexpectedTensorError",
+    "Part",
     "expected_shapes",
     "load_checkpoint",
     "parse_dtype",
+    "read_tensors",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -59,6 +62,9 @@ DTYPES: dict[str, torch.dtype] = {
 # safetensors header dtypes that hold weights kern can cast; integer tensors are quantized
 # formats kern does not read.
 _FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+# (dim, start, stop) of a stored tensor: the rows (dim 0) or columns (dim 1) a reader takes.
+Part = tuple[int, int, int]
 
 _INDEX = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -238,16 +244,34 @@ def load_checkpoint(
 
     if progress is None:
         progress = sys.stderr.isatty()
+    tensors = read_tensors(
+        entries, device=device, dtype=dtype, desc=f"loading {path.name}", progress=progress
+    )
+    return Checkpoint(path=path, config=config, tensors=tensors, tokenizer=tokenizer)
+
+
+def read_tensors(
+    entries: Mapping[str, _Entry],
+    *,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    desc: str,
+    progress: bool,
+    pick: Callable[[str], Sequence[Part] | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read the tensors of ``entries`` (validated), each cast to ``dtype`` on ``device``,
+    file by file; a progress bar of ``desc`` on stderr when ``progress``. ``pick(name)``
+    gives the parts of a tensor to read, joined along their dim (a rank's slices, read with
+    ``get_slice`` so nothing else is materialised); None, or no ``pick``, reads it whole."""
     by_file: dict[Path, list[tuple[str, _Entry]]] = {}
     for name, entry in entries.items():
         by_file.setdefault(entry.file, []).append((name, entry))
-    total_bytes = sum(_num_bytes(e) for e in entries.values())
     tensors: dict[str, torch.Tensor] = {}
     with tqdm(
-        total=total_bytes,
+        total=sum(_num_bytes(e) for e in entries.values()),
         unit="B",
         unit_scale=True,
-        desc=f"loading {path.name}",
+        desc=desc,
         disable=not progress,
         file=sys.stderr,
         leave=False,
@@ -255,9 +279,16 @@ def load_checkpoint(
         for file in sorted(by_file):
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name, entry in by_file[file]:
-                    tensors[name] = f.get_tensor(entry.stored_name).to(dtype)
+                    parts = None if pick is None else pick(name)
+                    if parts is None:
+                        t = f.get_tensor(entry.stored_name)
+                    else:
+                        view = f.get_slice(entry.stored_name)
+                        pieces = [view[a:b] if dim == 0 else view[:, a:b] for dim, a, b in parts]
+                        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=parts[0][0])
+                    tensors[name] = t.to(dtype)
                     bar.update(_num_bytes(entry))
-    return Checkpoint(path=path, config=config, tensors=tensors, tokenizer=tokenizer)
+    return tensors
 
 
 def _num_bytes(entry: _Entry) -> int:

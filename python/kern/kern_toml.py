@@ -78,7 +78,7 @@ _TARGET_KEYS = (
     "threads",
     "reasoning_parser",
 )
-# parallel values (kern.engine.shard.PARALLEL; kept here so parsing imports nothing).
+# parallel values (kern.engine.ranks.shard.PARALLEL; kept here so parsing imports nothing).
 PARALLEL_MODES = ("tp", "ep")
 # reasoning_parser values (kern.server.splitter.REASONING_PARSERS; kept here so parsing imports
 # nothing).
@@ -109,7 +109,7 @@ class Target:
     # rows > 1: n-gram lookup, the drafter that needs no model).
     draft: str | None = None
     ranks: int = 1
-    # How ranks split the model (kern.engine.shard): "tp" or "ep".
+    # How ranks split the model (kern.engine.ranks.shard): "tp" or "ep".
     parallel: str = "tp"
     threads: int = DEFAULT_THREADS
     # Split <think>...</think> into reasoning_content when serving chat (kern.server.splitter);

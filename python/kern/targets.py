@@ -9,8 +9,8 @@ Design notes
   ``--host-bytes``, ``--page-tokens``) override the file's value. Every key remembers what set
   it (``Target.origin``), so an error names the file and key, or the flag.
 * A key kern does not implement for the command is refused, never ignored: ``ranks`` above 1
-  for a model ``parallel`` does not split (kern.engine.shard) or on too few CUDA devices, and a
-  draft checkpoint kern cannot run beside the target (kern.engine.draft: another tokenizer or
+  for a model ``parallel`` does not split (kern.engine.ranks.shard) or on too few CUDA devices,
+  and a draft checkpoint kern cannot run beside the target (kern.engine.draft: another tokenizer or
   vocabulary, KV that does not fit the target's page, ranks above 1). ``draft = "ngram"``
   (the default at rows > 1) or a draft checkpoint is the drafter ``kern run``, ``kern test``
   and ``kern serve`` use.
@@ -33,7 +33,7 @@ from kern.errors import UsageError
 from kern.kern_toml import Target, default_dtype, load_toml_config
 from kern.model_config import MissingFileError, ModelConfig, load_config
 
-__all__ = ["FLAGS", "check_draft_target", "check_target", "choose_rows", "resolve_target"]
+__all__ = ["FLAGS", "check_target", "choose_rows", "resolve_target"]
 
 # kern.toml key -> the flag that sets it on the command line.
 FLAGS = {
@@ -151,36 +151,17 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
         raise MissingFileError(f"{target.checkpoint}: no such checkpoint folder")
     config = load_config(target.checkpoint)
     if target.draft_checkpoint is not None:
+        from kern.engine.draft import check_draft_target
+
         check_draft_target(target, config)
     if target.ranks != 1:
-        from kern.engine.shard import Shard, ShardError
+        from kern.engine.ranks.shard import Shard, ShardError
 
         try:
             Shard(0, target.ranks, target.parallel).check(config)
         except ShardError as e:
             raise UsageError(f"{target.where('ranks')}: {e}") from None
     return config
-
-
-def check_draft_target(target: Target, config: ModelConfig) -> None:
-    """A draft checkpoint: one rank only, and what kern.engine.draft checks (the tokenizer, the
-    family, its KV inside the target's page)."""
-    import torch
-
-    from kern.engine.draft import check_draft, draft_layout
-    from kern.engine.layout import Layout
-
-    where = target.where("draft")
-    if target.ranks != 1:
-        raise UsageError(
-            f"{where}: a draft checkpoint with ranks = {target.ranks} is not supported (the "
-            "draft would need splitting too); use draft = 'ngram' or ranks = 1"
-        )
-    assert target.draft_checkpoint is not None
-    draft = check_draft(target.checkpoint, target.draft_checkpoint, where)
-    dtype = getattr(torch, target.dtype)
-    page_bytes = Layout.of(config, dtype, target.page_tokens).page_bytes
-    draft_layout(draft, dtype, page_bytes, target.page_tokens, where)
 
 
 def _check_ranks(target: Target) -> None:

@@ -4,8 +4,9 @@ For each configuration (``--configs``, e.g. ``1x2,1x1,2x1``: ranks x threads per
 a process of its own, on a ``make-tiny`` qwen3 of ~88M parameters (``--model`` for another):
 
 * weights: the bytes of the tensors each rank holds (from the safetensors headers and
-  ``kern.engine.shard``), and each rank's peak RSS after loading and building its runner (VmHWM;
-  the arena is kept small, so this is the weights plus the process's fixed cost);
+  ``kern.engine.ranks.shard``), and each rank's peak RSS after loading and building its
+  runner (VmHWM; the arena is kept small, so this is the weights plus the process's fixed
+  cost);
 * prefill: ``--batch`` prompts of ``--prompt`` tokens in one forward;
 * decode: ``--batch`` sequences at that context, ``--steps`` steps of one token each; the
   step time, the share of it rank 0 spent in the model's collectives (``Comm.seconds``:
@@ -46,7 +47,7 @@ def _hwm_mib(pid: int | str = "self") -> float:
 
 def _shard_bytes(model: Path, ranks: int) -> list[int]:
     from kern import checkpoint as ck
-    from kern.engine.shard import Shard
+    from kern.engine.ranks.shard import Shard
     from kern.model_config import load_config
 
     config = load_config(model)
@@ -79,7 +80,7 @@ def one(model: Path, ranks: int, threads: int, args: argparse.Namespace) -> dict
     target = Target(name="bench", checkpoint=model, ranks=ranks, threads=threads)
     ranked = None
     if ranks > 1:
-        from kern.engine.ranks import Ranks
+        from kern.engine.ranks.launch import Ranks
 
         ranked = Ranks.start(target)
         ckpt = ranked.load(progress=False)

@@ -299,7 +299,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     ranks = None
     if target.ranks > 1:
-        from kern.engine.ranks import load_for_run
+        from kern.engine.ranks.launch import load_for_run
 
         ranks, ckpt = load_for_run(target)
     else:

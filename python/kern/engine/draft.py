@@ -48,9 +48,10 @@ from kern.engine.layout import Layout
 from kern.engine.runner import Runner
 from kern.engine.sampler import SamplingParams, sample
 from kern.errors import UsageError
+from kern.kern_toml import Target
 from kern.model_config import ModelConfig, load_config
 
-__all__ = ["ModelDrafter", "argmax", "check_draft", "draft_layout"]
+__all__ = ["ModelDrafter", "argmax", "check_draft", "check_draft_target", "draft_layout"]
 
 _GREEDY = SamplingParams()
 
@@ -80,6 +81,24 @@ def check_draft(target_dir: Path, draft_dir: Path, where: str) -> ModelConfig:
             f"{target_dir / 'tokenizer.json'} vs {draft_dir / 'tokenizer.json'}"
         )
     return config
+
+
+def check_draft_target(target: Target, config: ModelConfig) -> None:
+    """A target's draft checkpoint: one rank only, and what :func:`check_draft` and
+    :func:`draft_layout` check (the tokenizer, the family, its KV inside the target's page of
+    ``config``). Run by ``kern.targets.check_target`` before anything loads, and by the engine
+    for the callers that build it without that check. Raises :class:`UsageError`."""
+    where = target.where("draft")
+    if target.ranks != 1:
+        raise UsageError(
+            f"{where}: a draft checkpoint with ranks = {target.ranks} is not supported (the "
+            "draft would need splitting too); use draft = 'ngram' or ranks = 1"
+        )
+    assert target.draft_checkpoint is not None
+    draft = check_draft(target.checkpoint, target.draft_checkpoint, where)
+    dtype = getattr(torch, target.dtype)
+    page_bytes = Layout.of(config, dtype, target.page_tokens).page_bytes
+    draft_layout(draft, dtype, page_bytes, target.page_tokens, where)
 
 
 def _tokenizer(folder: Path) -> dict[str, object]:

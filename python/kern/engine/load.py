@@ -13,14 +13,19 @@ Design notes
   model is loaded where it will be used (see ``kern.engine.scheduler.start_scheduler``).
 * ``ops`` is the backend; a caller may pass its own (the reference path, or a failing one in
   the crash test) instead of threading flags through the layers.
-* A draft checkpoint (``draft = "path"``, kern.engine.draft) is loaded here too, checked first (the
-  same tokenizer, KV that fits the target's page), and its runner views the target runner's
-  arena (``Runner.draft_runner``): no budget of its own, its pages (and, for a stateful
-  draft, its slots: the pool's slots are sized for the larger state) are the pool's, taken
-  per request by the scheduler.
+* A draft checkpoint (``draft = "path"``, kern.engine.draft) is loaded here too, checked
+  first (``check_draft_target``: the same tokenizer, KV that fits the target's page), and its
+  runner views the target runner's arena (``Runner.draft_runner``): no budget of its own, its
+  pages (and, for a stateful draft, its slots: the pool's slots are sized for the larger
+  state) are the pool's, taken per request by the scheduler.
 * The cache's books are built before the weights are read when the budgets are known (a
   budget too small for one page is then an error at once, naming its key or flag); the CUDA
   default budget depends on the memory free after loading, so that one waits for the weights.
+* One recipe for one rank and for N: a target with ``ranks`` above 1 is laid out as rank 0's
+  shard (the pool's pages hold its heads), its books are built in the same order, the ranks
+  start (``kern.engine.ranks.launch.Ranks``) just before the weights are read, each rank
+  reading its own shard, and the runner is rank 0's ``RankedRunner`` over the pool's
+  geometry, which every rank's arena takes too; the budgets are per rank.
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ import torch
 from kern.backend import Ops, make_ops
 from kern.checkpoint import Checkpoint, load_checkpoint
 from kern.engine.arena import Geometry
+from kern.engine.draft import check_draft_target, draft_layout
 from kern.engine.layout import Layout
+from kern.engine.ranks.launch import Ranks, rank_device
+from kern.engine.ranks.runner import RankedRunner
+from kern.engine.ranks.shard import Shard
 from kern.engine.runner import Runner
 from kern.engine.scheduler import Event, Request, Scheduler
 from kern.errors import UsageError
@@ -61,7 +70,8 @@ class Engine:
     checkpoint: Checkpoint
     layout: Layout
     cache: Cache
-    runner: Runner
+    # A ranked target's runner broadcasts each call to its other ranks (kern.engine.ranks).
+    runner: Runner | RankedRunner
     # The draft checkpoint's runner over the same pool pages, when the target names one.
     draft: Runner | None = None
 
@@ -69,22 +79,29 @@ class Engine:
     def load(cls, target: Target, *, ops: Ops | None = None) -> Engine:
         """Pin the thread count, load ``target``'s checkpoint, size the arenas from its
         budgets and build the runner over them (on ``ops``, default: the target's device).
-        A target with ``ranks`` above 1 is loaded by every rank (``kern.engine.ranks``)."""
+        A target with ``ranks`` above 1 is loaded by every rank, each its shard
+        (``kern.engine.ranks``): the runner is then rank 0's :class:`RankedRunner`, and the
+        budgets are per rank (every rank's arena is that size)."""
         if target.draft_checkpoint is not None:
-            from kern.targets import check_draft_target
-
+            # As kern.targets.check_target checks before load: the tests and the benchmarks
+            # build engines without it.
             check_draft_target(target, load_config(target.checkpoint))
         if target.ranks > 1:
-            from kern.engine.ranks import load_engine
-
-            return load_engine(target, ops=ops)
-        torch.set_num_threads(target.threads)
-        ops = ops or make_ops(target.device)
-        layout = Layout.of(load_config(target.checkpoint), ops.dtype, target.page_tokens)
+            if ops is not None:
+                raise ValueError("a ranked target builds its backend on every rank; pass no ops")
+            # Rank 0's view: the layout, so the pool's pages, hold its shard of the heads.
+            shard = Shard(0, target.ranks, target.parallel)
+            full = load_config(target.checkpoint)
+            shard.check(full)
+            config = shard.config(full)
+            ops = make_ops(rank_device(target.device, 0))
+        else:
+            torch.set_num_threads(target.threads)
+            ops = ops or make_ops(target.device)
+            config = load_config(target.checkpoint)
+        layout = Layout.of(config, ops.dtype, target.page_tokens)
         draft_lay = None
         if target.draft_checkpoint is not None:
-            from kern.engine.draft import draft_layout
-
             draft_lay = draft_layout(
                 load_config(target.draft_checkpoint),
                 ops.dtype,
@@ -97,20 +114,23 @@ class Engine:
         cache = None
         if target.pool_bytes is not None:
             cache = _cache(target, layout, target.pool_bytes, state_bytes)
-        ckpt = load_checkpoint(target.checkpoint, device=ops.device, dtype=ops.dtype)
+        ranks = Ranks.start(target) if target.ranks > 1 else None
+        if ranks is None:
+            ckpt = load_checkpoint(target.checkpoint, device=ops.device, dtype=ops.dtype)
+        else:
+            ckpt = ranks.load()
         if cache is None:
             cache = _cache(target, layout, default_pool_bytes(ops.device), state_bytes)
-        host = cache.host
-        runner = Runner(
-            ckpt,
-            ops,
-            layout,
-            Geometry.of_pool(cache.device),
-            None if host is None else Geometry.of_pool(host),
-        )
+        geometry = Geometry.of_pool(cache.device)
+        host = None if cache.host is None else Geometry.of_pool(cache.host)
+        runner: Runner | RankedRunner
+        if ranks is None:
+            runner = Runner(ckpt, ops, layout, geometry, host)
+        else:
+            runner = ranks.runner(ckpt, layout, geometry, host)
         draft = None
         if target.draft_checkpoint is not None:
-            assert draft_lay is not None
+            assert draft_lay is not None and isinstance(runner, Runner)
             draft_ckpt = load_checkpoint(
                 target.draft_checkpoint, device=ops.device, dtype=ops.dtype
             )

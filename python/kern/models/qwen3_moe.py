@@ -28,7 +28,7 @@ from kern.models.layers import Attention, DecoderLayer, DecoderModel, DenseMLP, 
 
 class SparseMoE:
     """The router and the experts whose weights ``t`` holds: every expert, unless the tensors
-    are one expert-parallel rank's shard (``kern.engine.shard``), which holds 1/N of them."""
+    are one expert-parallel rank's shard (``kern.engine.ranks.shard``), which holds 1/N of them."""
 
     def __init__(self, ops: Ops, c: ModelConfig, t: Tensors, prefix: str) -> None:
         self.ops = ops

@@ -34,7 +34,6 @@ Design notes
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +41,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import Tensor
-from tqdm import tqdm
 
 from kern import checkpoint as _ckpt
-from kern.checkpoint import Checkpoint, parse_dtype
+from kern.checkpoint import Checkpoint, Part, parse_dtype, read_tensors
 from kern.model_config import ModelConfig, load_config
 from kern.models.qwen3_moe import SparseMoE
 from kern.tokenizer import Tokenizer
@@ -160,8 +157,6 @@ class Shard:
         return None
 
 
-# (dim, start, stop) of a stored tensor.
-Part = tuple[int, int, int]
 _ROWS = {
     f"{proj}.{kind}"
     for proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -206,38 +201,22 @@ def load_shard(
     entries = _ckpt._index_tensors(path, full)
     _ckpt._validate(path, full, entries)
     tokenizer = Tokenizer.from_dir(path, extra_eos_token_ids=_ckpt._eos_token_ids(path, full))
-    wanted: dict[str, tuple[Any, list[Part] | None]] = {}
+    wanted: dict[str, _ckpt._Entry] = {}
+    parts: dict[str, list[Part] | None] = {}
     for name, entry in entries.items():
         try:
-            wanted[name] = (entry, shard.part(full, name, entry.shape))
+            parts[name] = shard.part(full, name, entry.shape)
         except KeyError:
             continue
-    total = sum(_ckpt._num_bytes(e) for e, _ in wanted.values())
-    tensors: dict[str, Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, (entry, _) in wanted.items():
-        by_file.setdefault(entry.file, []).append(name)
-    with tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
+        wanted[name] = entry
+    tensors = read_tensors(
+        wanted,
+        device=device,
+        dtype=dtype,
         desc=f"loading {path.name} (rank 0 of {shard.num_ranks})",
-        disable=not progress,
-        file=sys.stderr,
-        leave=False,
-    ) as bar:
-        for file in sorted(by_file):
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for name in by_file[file]:
-                    entry, part = wanted[name]
-                    view = f.get_slice(entry.stored_name)
-                    if part is None:
-                        t = view[:]
-                    else:
-                        pieces = [view[a:b] if dim == 0 else view[:, a:b] for dim, a, b in part]
-                        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part[0][0])
-                    tensors[name] = t.to(dtype)
-                    bar.update(_ckpt._num_bytes(entry))
+        progress=progress,
+        pick=parts.__getitem__,
+    )
     if shard.rank != 0:
         for name in [k for k in tensors if k.endswith("o_proj.bias")]:
             tensors[name] = torch.zeros_like(tensors[name])
