@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 )
 from scheduler_harness import Harness, drop_cache, load, prompt
 
-from kern.engine.scheduler import LimitError
+from kern.engine.request import LimitError
 from kern.tiny import default_model_path
 
 PT = 4  # small pages: many of them, and hits that end mid-page
@@ -277,7 +277,7 @@ def test_the_loop_sleeps_when_there_is_nothing_to_run(tiny_dir):
     thread.start()
     time.sleep(0.3)
     assert steps[0] == 0
-    from kern.engine.scheduler import Request
+    from kern.engine.request import Request
 
     sched.submit(Request([1, 2, 3], 3))
     assert done.wait(30)
