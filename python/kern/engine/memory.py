@@ -4,6 +4,14 @@ holds. Every other engine module sees the pool through these verbs and plain ids
 
 Design notes
 ------------
+* Admission takes a prefix hit from ``Cache.match``, capped one token short of the prompt
+  (recompute the last token for logits), its node locked while the request runs; a parked
+  hit is woken and its plan landed first; a hit ending mid-page has its shared page copied
+  before anything is written past it. On a stateful model (qwen3_5) a hit is usable only
+  where a state snapshot sits, and the snapshot is copied into the request's own slot.
+* A hit is worth taking only if it fits: one ending mid-page keeps its locked page *and*
+  needs a copy of it, one page more than the same prompt without the hit, so when the pages
+  cannot be had with the hit, admission retries without it (:meth:`Memory.admit`).
 * Plans pass through: whatever ``make_room`` parks is handed to ``Runner.park`` in one list
   before anything is allocated again (:meth:`Memory.land`, the one door), a wake's plan to
   ``Runner.wake`` before the pages are read. Counters come from the returned values alone
@@ -27,6 +35,7 @@ Design notes
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -90,6 +99,91 @@ class Memory:
     def pages(m: Match) -> list[int]:
         """A match's pages as ids (valid while its lock is held)."""
         return ids(m.pages)
+
+    # --- admission ------------------------------------------------------------------------
+
+    def admit(self, req: Request) -> bool:
+        """Start ``req`` (admission) with its longest usable hit, else with none: its pages
+        (and slot), its hit locked and its shared pages copied where it writes. False if it
+        cannot have its pages (and slot) now, leaving nothing allocated or locked."""
+        cap = len(req.tokens) - 1  # recompute the last token for logits
+        m = self.match(req.tokens)  # locked when it hit
+        hit = self._usable_hit(m, cap)
+        if hit > 0:
+            if self._admit_with_hit(req, m, hit):
+                return True
+        elif m.node is not None:
+            self.unlock(m.node)
+        return self._start_at(req, None, None, 0)
+
+    def _admit_with_hit(self, req: Request, m: Match, hit: int) -> bool:
+        node = m.node  # locked by the caller's match; unlocked here unless admitted
+        assert node is not None
+        cap = len(req.tokens) - 1
+        if m.resident_len < hit or (self.stateful and m.state_slot is None):
+            parked = -(-m.hit_len // self.page_tokens) - m.resident_len // self.page_tokens
+            if self.wake(node, parked):
+                m = self.match(req.tokens)  # the woken pages, under a lock of their own
+                self.unlock(node)
+                node = m.node
+                assert node is not None
+                hit = self._usable_hit(m, cap)
+            else:
+                # Without the parked part, a stateless hit keeps its resident prefix; a
+                # stateful one has no state to resume from.
+                hit = 0 if self.stateful else min(hit, m.resident_len)
+        if hit > 0 and self._start_at(req, m, node, hit):
+            return True
+        self.unlock(node)
+        return False
+
+    def _start_at(self, req: Request, m: Match | None, node: int | None, hit: int) -> bool:
+        """Allocate what ``req`` needs past a ``hit``-token prefix (``m``'s, locked on
+        ``node`` by the caller) and start it there. False, with nothing allocated, if the
+        pages (or the slot) cannot be had."""
+        pt = self.page_tokens
+        shared = self.pages(m)[: hit // pt] if m is not None and hit else []
+        need = -(-len(req.tokens) // pt) - len(shared)
+        slot = None
+        if self.stateful:
+            slot = self.take_slot()
+            if slot is None:
+                return False
+        own = self.take_pages(need)
+        if own is None:
+            if slot is not None:
+                self.free_slot(slot)
+            return False
+        if m is not None and hit % pt:
+            # The hit's last page is shared with the tree: copy it before writing past the hit.
+            self.runner.copy_pages([self.pages(m)[hit // pt]], [own[0]])
+        if slot is not None and m is not None and hit:
+            assert m.state_slot is not None
+            self.runner.copy_slots([m.state_slot], [slot])
+        req.block_table = shared + own
+        req.node = node
+        req.slot = slot
+        req.num_computed = hit
+        if req.cached_tokens is None:
+            # The first admission (a preempted request resumes without counting again).
+            req.cached_tokens = hit
+            req.t_admit = time.perf_counter()
+            m = self.metrics
+            m.queue_time.observe(req.t_admit - req.t_submit)
+            m.prefix_queries.inc(len(req.prompt_ids))
+            if hit:
+                m.prefix_hits.inc(hit)
+            if req.counts_prompt:
+                m.prompt_tokens.inc(len(req.prompt_ids))
+        return True
+
+    def _usable_hit(self, m: Match, cap: int) -> int:
+        if not self.stateful:
+            return min(m.hit_len, cap)
+        # A recurrent model resumes only from a state taken at exactly the hit length.
+        if m.state_len is None or m.state_len > cap:
+            return 0
+        return m.state_len
 
     # --- make room and take -----------------------------------------------------------------
 

@@ -6,15 +6,18 @@ Torch-free: the app and the scheduler share these values, and none of them holds
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kern.engine.params import LogprobEntry, SamplingParams
+from kern.engine.params import Context, LogprobEntry, Pick, SamplingParams
 
 if TYPE_CHECKING:
     from kern.engine.spec import DraftState
 
 __all__ = ["Event", "LimitError", "Request"]
+
+log = logging.getLogger("kern")
 
 # An event for one request: (token id or None, logprob entry or None, finish reason or None).
 Event = tuple[int | None, LogprobEntry | None, str | None]
@@ -72,3 +75,38 @@ class Request:
     t_admit: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0
+
+    def pick(self, drafts: list[int], eos: frozenset[int]) -> Pick:
+        """How the logits row of the next token after ``drafts`` (a verify row's: the drafts
+        before it, as if accepted) becomes a token: as plain decoding draws it at that
+        position (kern.engine.spec). ``eos``: the model's end-of-sequence ids."""
+        context = self._context(drafts, eos)
+        # A row behind drafts sees a new list, converted whole; otherwise the runner side
+        # keeps this request's token log across steps.
+        owner = None if drafts else self
+        return Pick(self.params, self.num_output + len(drafts), context, self.num_logprobs, owner)
+
+    def _context(self, drafts: list[int], eos: frozenset[int]) -> Context | None:
+        banned: frozenset[int] = frozenset()
+        if self.num_output + len(drafts) < self.min_tokens:
+            banned = self.stop_ids | eos
+        if not banned and not self.params.processes and self.grammar is None:
+            return None
+        if drafts:
+            return Context(self.tokens + drafts, len(self.prompt_ids), banned, self.grammar)
+        return Context(self.tokens, len(self.prompt_ids), banned, self.grammar)
+
+    def append(self, tok: int, eos: frozenset[int]) -> str | None:
+        """Add a produced token (scheduler thread) and feed the grammar; the finish reason it
+        brings (``stop``, ``length``, ``abort`` for a grammar that refuses it), or None."""
+        self.tokens.append(tok)
+        self.num_output += 1
+        if self.grammar is not None and not self.grammar.accept(tok):
+            # The mask allowed only what the grammar accepts: a refusal is a bug.
+            log.error("the structured-output grammar refused token %d; ending", tok)
+            return "abort"
+        if tok in self.stop_ids or (tok in eos and not self.ignore_eos):
+            return "stop"
+        if self.num_output >= self.max_tokens:
+            return "length"
+        return None

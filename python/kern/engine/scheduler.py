@@ -1,30 +1,16 @@
-"""The scheduler: one thread that runs every request through the runner, one step at a time.
-It handles ints and handles only: the runner owns every tensor and lands every plan.
+"""The scheduler: one thread that runs every request through the runner, one step at a time:
+the inbox, admission, chunk planning, preemption and finish. It handles ints and handles only
+(no tensor, no torch): the runner side samples (kern.engine.sampler.Sampler), the cache is
+reached through kern.engine.memory, drafts through kern.engine.spec.
 
 Design notes
 ------------
-* Continuous batching: each step is one ``Runner.forward`` over every running request, decode
-  rows first (one token each), then prefill chunks under a per-step token budget
-  (``max_step_tokens``). A request joins or leaves between any two steps.
-* One code path for prefill, decode and resume. A request is its tokens (prompt, then what it
-  produced) and ``num_computed``, how many of them are in its KV. Each step computes the next
-  chunk of ``tokens[num_computed:]``; a chunk that reaches the end asks for logits and yields a
-  token. Decoding is a chunk of one. The same shapes ``kern.engine.generate`` runs, so a greedy
-  answer is the same bits as ``kern run`` on the CPU backend (batch- and chunk-invariant, see
-  docs/invariance.md).
 * Admission is first come, first served: the head of the queue is admitted once the pages for
   its whole prompt can be had (making room from the cache if need be), so a prefill never
-  preempts anyone. A prefix hit is taken from ``Cache.match``, capped one token short of the
-  prompt (recompute the last token for logits), its node locked while the request runs; a
-  parked hit is woken and its plan landed first; a hit ending mid-page has its shared page
-  copied before anything is written past it. On a stateful model (qwen3_5) a hit is usable only
-  where a state snapshot sits, and the snapshot is copied into the request's own slot.
-* Admission always progresses. A hit is worth taking only if it fits: one ending mid-page
-  keeps its locked page *and* needs a copy of it, one page more than the same prompt without
-  the hit, so when the pages cannot be had with the hit, admission retries without it. With
-  nothing running nothing is locked, so a request that passed :meth:`Scheduler.check` always
-  fits then; the head waits only while others run, and they finish in bounded steps. The
-  loop sleeps on its condition variable when there is nothing to run; it never spins.
+  preempts anyone; how a prefix hit is taken is kern.engine.memory's (``Memory.admit``).
+  With nothing running nothing is locked, so a request that passed :meth:`Scheduler.check`
+  always fits then; the head waits only while others run, and they finish in bounded steps.
+  The loop sleeps on its condition variable when there is nothing to run; it never spins.
 * Preemption: a decode that needs a page when nothing is evictable preempts the youngest
   running request. Its computed tokens and pages go into the prefix tree (with its state, on a
   stateful model), it unlocks, and it goes back to the head of the queue. The tree's make-room
@@ -55,14 +41,14 @@ from typing import TYPE_CHECKING
 
 from kern.chunk import SeqChunk
 from kern.engine.memory import Memory
-from kern.engine.params import Context, Pick
+from kern.engine.params import Pick
 from kern.engine.request import Event, LimitError, Request
-from kern.engine.spec import Drafter, accept
+from kern.engine.spec import Drafter, accept, settle
 from kern.metrics import Metrics
 
 if TYPE_CHECKING:
     from kern.engine.sampler import Sampler
-    from kern.pool import Cache, Match
+    from kern.pool import Cache
 
 __all__ = ["Scheduler", "start_scheduler"]
 
@@ -255,7 +241,7 @@ class Scheduler:
     def _admit(self, events: list[tuple[Request, Event]]) -> None:
         while self._waiting and len(self._running) < self.max_running:
             req = self._waiting[0]
-            if not self._try_admit(req):
+            if not self.memory.admit(req):
                 if not self._running:
                     # Nothing is locked now, so a request that passed check() fits; this is
                     # a broken invariant, and the request ends instead of blocking the queue.
@@ -271,89 +257,6 @@ class Scheduler:
                 return
             self._waiting.popleft()
             self._running.append(req)
-
-    def _try_admit(self, req: Request) -> bool:
-        """Admit ``req`` with its longest usable hit, else with none; False if it cannot
-        have its pages (and slot) now. Leaves nothing allocated or locked when False."""
-        cap = len(req.tokens) - 1  # recompute the last token for logits
-        m = self.memory.match(req.tokens)  # locked when it hit
-        hit = self._usable_hit(m, cap)
-        if hit > 0:
-            if self._admit_with_hit(req, m, hit):
-                return True
-        elif m.node is not None:
-            self.memory.unlock(m.node)
-        return self._admit_at(req, None, None, 0)
-
-    def _admit_with_hit(self, req: Request, m: Match, hit: int) -> bool:
-        memory = self.memory
-        node = m.node  # locked by the caller's match; unlocked here unless admitted
-        assert node is not None
-        cap = len(req.tokens) - 1
-        if m.resident_len < hit or (self.stateful and m.state_slot is None):
-            parked = -(-m.hit_len // self.pt) - m.resident_len // self.pt
-            if memory.wake(node, parked):
-                m = memory.match(req.tokens)  # the woken pages, under a lock of their own
-                memory.unlock(node)
-                node = m.node
-                assert node is not None
-                hit = self._usable_hit(m, cap)
-            else:
-                # Without the parked part, a stateless hit keeps its resident prefix; a
-                # stateful one has no state to resume from.
-                hit = 0 if self.stateful else min(hit, m.resident_len)
-        if hit > 0 and self._admit_at(req, m, node, hit):
-            return True
-        memory.unlock(node)
-        return False
-
-    def _admit_at(self, req: Request, m: Match | None, node: int | None, hit: int) -> bool:
-        """Allocate what ``req`` needs past a ``hit``-token prefix (``m``'s, locked on
-        ``node`` by the caller) and start it there. False, with nothing allocated, if the
-        pages (or the slot) cannot be had."""
-        pt = self.pt
-        shared = self.memory.pages(m)[: hit // pt] if m is not None and hit else []
-        need = -(-len(req.tokens) // pt) - len(shared)
-        slot = None
-        if self.stateful:
-            slot = self.memory.take_slot()
-            if slot is None:
-                return False
-        own = self.memory.take_pages(need)
-        if own is None:
-            if slot is not None:
-                self.memory.free_slot(slot)
-            return False
-        if m is not None and hit % pt:
-            # The hit's last page is shared with the tree: copy it before writing past the hit.
-            self.runner.copy_pages([self.memory.pages(m)[hit // pt]], [own[0]])
-        if slot is not None and m is not None and hit:
-            assert m.state_slot is not None
-            self.runner.copy_slots([m.state_slot], [slot])
-        req.block_table = shared + own
-        req.node = node
-        req.slot = slot
-        req.num_computed = hit
-        if req.cached_tokens is None:
-            # The first admission (a preempted request resumes without counting again).
-            req.cached_tokens = hit
-            req.t_admit = time.perf_counter()
-            m = self.metrics
-            m.queue_time.observe(req.t_admit - req.t_submit)
-            m.prefix_queries.inc(len(req.prompt_ids))
-            if hit:
-                m.prefix_hits.inc(hit)
-            if req.counts_prompt:
-                m.prompt_tokens.inc(len(req.prompt_ids))
-        return True
-
-    def _usable_hit(self, m: Match, cap: int) -> int:
-        if not self.stateful:
-            return min(m.hit_len, cap)
-        # A recurrent model resumes only from a state taken at exactly the hit length.
-        if m.state_len is None or m.state_len > cap:
-            return 0
-        return m.state_len
 
     # --- the forward ----------------------------------------------------------------------
 
@@ -411,7 +314,7 @@ class Scheduler:
                 # Verify: the last token, then the drafts; one row of logits each.
                 chunk = [req.tokens[nc], *drafts]
                 batch.append(SeqChunk(chunk, nc, req.block_table, slot=req.slot, logits="all"))
-                picks.extend(self._pick(req, drafts[:j]) for j in range(k))
+                picks.extend(req.pick(drafts[:j], self.eos) for j in range(k))
                 continue
             done = nc + k == len(req.tokens)
             batch.append(
@@ -424,7 +327,7 @@ class Scheduler:
                 )
             )
             if done:
-                picks.append(self._pick(req, []))
+                picks.append(req.pick([], self.eos))
         # The forward and the choice of every logits row, on the runner side: ids back.
         picked = self.sampler.forward(batch, picks)
         # Requests that get tokens: (request, its first logits row, its number of rows).
@@ -457,19 +360,9 @@ class Scheduler:
             reason = None
             sent = 0
             for j, tok in enumerate(verified[:accepted]):
-                lp = picked[start + j][1]
-                req.tokens.append(tok)
-                req.num_output += 1
+                reason = req.append(tok, self.eos)
                 sent += 1
-                if req.grammar is not None and not req.grammar.accept(tok):
-                    # The mask allowed only what the grammar accepts: a refusal is a bug.
-                    log.error("the structured-output grammar refused token %d; ending", tok)
-                    reason = "abort"
-                elif tok in req.stop_ids or (tok in self.eos and not req.ignore_eos):
-                    reason = "stop"
-                elif req.num_output >= req.max_tokens:
-                    reason = "length"
-                events.append((req, (tok, lp, None)))
+                events.append((req, (tok, picked[start + j][1], None)))
                 if reason is not None:
                     break  # tokens accepted past a stop are never sent
             if reason is not None and sent < accepted:
@@ -480,16 +373,8 @@ class Scheduler:
                     reason,
                 )
             if n > 1:
-                # The KV and state now hold the last token and the drafts that were sent; the
-                # rest (rejected, or accepted past a stop) is never read: the next chunk
-                # starts at num_computed and overwrites it, and the state is rewound to the
-                # row of the last token sent, exactly where rows 1 would leave it.
-                req.num_computed += sent
-                if self.stateful:
-                    assert req.slot is not None
-                    self.runner.keep_rows(req.slot, sent)
                 assert drafter is not None
-                drafter.accepted(req, accepted)
+                settle(req, sent, accepted, self.runner, drafter)
             if req.draft is not None:
                 req.draft.drafts = []
             m.generation_tokens.inc(sent)
@@ -503,28 +388,6 @@ class Scheduler:
             if reason is not None:
                 self._running.remove(req)
                 self._finish(req, reason, events)
-
-    def _pick(self, req: Request, drafts: list[int]) -> Pick:
-        """How the logits row of ``req``'s next token after ``drafts`` becomes a token: as
-        plain decoding draws it at that position (see kern.engine.spec)."""
-        context = self._context(req, drafts)
-        # A row behind drafts sees a new list, converted whole; otherwise the runner side
-        # keeps the request's token log across steps.
-        owner = None if drafts else req
-        return Pick(req.params, req.num_output + len(drafts), context, req.num_logprobs, owner)
-
-    def _context(self, req: Request, drafts: list[int]) -> Context | None:
-        """What the sampler's logits processing needs of ``req``'s next token after
-        ``drafts`` (a verify row's context: the drafts before it, as if accepted), or None
-        if it needs none."""
-        banned: frozenset[int] = frozenset()
-        if req.num_output + len(drafts) < req.min_tokens:
-            banned = req.stop_ids | self.eos
-        if not banned and not req.params.processes and req.grammar is None:
-            return None
-        if drafts:
-            return Context(req.tokens + drafts, len(req.prompt_ids), banned, req.grammar)
-        return Context(req.tokens, len(req.prompt_ids), banned, req.grammar)
 
     def _grow(self, req: Request, k: int) -> bool:
         """Pages for ``req``'s next ``k`` tokens, preempting the youngest running requests

@@ -58,6 +58,7 @@ __all__ = [
     "NgramDrafts",
     "accept",
     "draft_greedy",
+    "settle",
 ]
 
 
@@ -101,6 +102,28 @@ class DraftState:
             copy_slots([self.saved], [self.slot])
             kept = 0
         self.computed += kept
+
+
+class Rewinder(Protocol):
+    """What a verify's rewind asks of the target's runner (``kern.engine.runner.Runner``)."""
+
+    stateful: bool
+
+    def keep_rows(self, slot: int, num_rows: int) -> None: ...
+
+
+def settle(req: Request, sent: int, accepted: int, runner: Rewinder, drafter: Drafter) -> None:
+    """After ``req``'s verify yielded ``accepted`` tokens of which ``sent`` were sent (a stop
+    or ``max_tokens`` may cut them short): the KV and state now hold the last token and the
+    drafts that were sent; the rest (rejected, or accepted past a stop) is never read: the
+    next chunk starts at ``num_computed`` and overwrites it, and the state is rewound to the
+    row of the last token sent, exactly where rows 1 would leave it. The drafter hears what
+    was accepted."""
+    req.num_computed += sent
+    if runner.stateful:
+        assert req.slot is not None
+        runner.keep_rows(req.slot, sent)
+    drafter.accepted(req, accepted)
 
 
 class CopySlots(Protocol):
