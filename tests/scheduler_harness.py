@@ -10,8 +10,14 @@ from pathlib import Path
 
 from kern.engine.generate import generate
 from kern.engine.load import Engine
-from kern.engine.scheduler import Event, Request
+from kern.engine.request import Event, Request
+from kern.engine.spec import DraftState
 from kern.kern_toml import Target
+
+
+def draft_of(req: Request) -> DraftState:
+    """``req``'s draft state, or an empty one when it never drafted."""
+    return DraftState() if req.draft is None else req.draft
 
 
 def drop_cache(cache) -> None:
@@ -113,19 +119,23 @@ class Harness:
             assert len(set(r.block_table)) == len(r.block_table), "a page twice in a table"
             assert len(r.block_table) * pt >= r.num_computed
             # A draft checkpoint's pages: the request's own, never shared with its target's.
-            assert len(set(r.draft_table)) == len(r.draft_table), "a draft page twice"
-            assert not set(r.draft_table) & set(r.block_table), "a draft page in the table"
-        listed = sum(len(r.block_table) + len(r.draft_table) for r in running)
-        drafted = [p for r in running for p in r.draft_table]
+            d = draft_of(r)
+            assert len(set(d.table)) == len(d.table), "a draft page twice"
+            assert not set(d.table) & set(r.block_table), "a draft page in the table"
+        listed = sum(len(r.block_table) + len(draft_of(r).table) for r in running)
+        drafted = [p for r in running for p in draft_of(r).table]
         assert len(set(drafted)) == len(drafted), "a draft page held by two requests"
         assert s.resident_pages <= s.pages_used <= s.resident_pages + listed
         slots = sum(r.slot is not None for r in running)
-        slots += sum((r.draft_slot is not None) + (r.draft_saved is not None) for r in running)
+        slots += sum(
+            (draft_of(r).slot is not None) + (draft_of(r).saved is not None) for r in running
+        )
         assert s.slots_used == s.resident_states + slots, (s.slots_used, s.resident_states, slots)
         for r in self.sched._waiting:
             assert not r.block_table and r.slot is None and r.node is None
-            assert not r.draft_table and r.draft_computed == 0
-            assert r.draft_slot is None and r.draft_saved is None
+            d = draft_of(r)
+            assert not d.table and d.computed == 0
+            assert d.slot is None and d.saved is None
 
     def assert_idle_and_clean(self) -> None:
         """Nothing runs or waits, nothing is held: every page and slot is free or the tree's,

@@ -15,12 +15,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from scheduler_harness import fresh, prompt, spec_counts
+from scheduler_harness import draft_of, fresh, prompt, spec_counts
 
 from kern.checkpoint import load_checkpoint
 from kern.engine.generate import generate
 from kern.engine.load import Engine
-from kern.engine.sampler import SamplingParams
+from kern.engine.params import SamplingParams
 from kern.errors import UsageError
 from kern.kern_toml import Target
 from kern.tiny import make_tiny
@@ -144,27 +144,27 @@ def test_draft_pages_come_from_the_pool_and_go_back(engines):
     h = fresh(engine, rows=5)
     start = engine.cache.stats().pages_free
     r = h.submit(prompt(3, 30), 40, ignore_eos=True)
-    while not r.draft_table:
+    while not draft_of(r).table:
         h.step()
     s = engine.cache.stats()
-    held = len(r.block_table) + len(r.draft_table)
+    held = len(r.block_table) + len(draft_of(r).table)
     assert s.pages_used - s.resident_pages <= held
     assert s.pages_free == start - s.pages_used
     assert h.sched.metrics.gauges["kern_pool_pages_held"] == s.pages_used - s.resident_pages
     # The draft saw the whole prompt (its prefill) and every token since.
-    assert r.draft_computed >= len(r.prompt_ids)
+    assert draft_of(r).computed >= len(r.prompt_ids)
     h.run()
-    assert not r.draft_table
+    assert not draft_of(r).table
     h.assert_idle_and_clean()
     assert engine.cache.stats().pages_free == start
 
     a = h.submit(prompt(4, 30), 400, ignore_eos=True)
     b = h.submit(prompt(5, 20), 400, ignore_eos=True)
-    while not (a.draft_table and b.draft_table):
+    while not (draft_of(a).table and draft_of(b).table):
         h.step()
     h.abort(a)
     h.step()
-    assert h.finish_reason(a) == "abort" and not a.draft_table
+    assert h.finish_reason(a) == "abort" and not draft_of(a).table
     h.abort(b)
     h.step()
     assert h.finish_reason(b) == "abort"
@@ -179,14 +179,15 @@ def test_the_drafts_prefill_counts_against_the_step_budget(engines):
     engine = engines("qwen3")
     h = fresh(engine, rows=5, max_step_tokens=8)
     reqs = [h.submit(prompt(80 + i, 40), 30, ignore_eos=True) for i in range(2)]
-    forward = h.sched.draft.forward
+    draft = h.sched.drafter.sampler.runner
+    forward = draft.forward
     sizes: list[int] = []
 
     def counted(batch):
         sizes.append(sum(len(c.token_ids) for c in batch))
         return forward(batch)
 
-    h.sched.draft.forward = counted
+    draft.forward = counted
     partial = set()
     try:
         while h.open:
@@ -195,9 +196,9 @@ def test_the_drafts_prefill_counts_against_the_step_budget(engines):
             # The first draft forward of a step is the catch-up (each later one is a row a
             # request): within the budget.
             assert not sizes or sizes[0] <= 8, sizes
-            partial.update(r.draft_computed for r in reqs if 0 < r.draft_computed < 40)
+            partial.update(draft_of(r).computed for r in reqs if 0 < draft_of(r).computed < 40)
     finally:
-        del h.sched.draft.forward
+        del draft.forward
     assert len(partial) >= 2, partial  # the prompt went into the draft in pieces
     for r in reqs:
         h.assert_identical(r)
@@ -221,25 +222,26 @@ def test_a_tight_pool_serves_every_request_identically(
     total = engine.cache.stats().pages_free
     assert total < 64, total
     seen = {"dropped": 0, "refused": 0}
-    drop, alloc = h.sched._drop_drafts, h.sched._alloc_pages
+    memory = h.sched.memory
+    drop, alloc = memory.drop_drafts, memory.take_draft_pages
 
     def counted_drop() -> bool:
         dropped = drop()
         seen["dropped"] += dropped
         return dropped
 
-    def counted_alloc(n: int, *, take_drafts: bool = True):
-        pages = alloc(n, take_drafts=take_drafts)
-        seen["refused"] += pages is None and not take_drafts
+    def counted_alloc(n: int):
+        pages = alloc(n)
+        seen["refused"] += pages is None
         return pages
 
-    h.sched._drop_drafts = counted_drop
-    h.sched._alloc_pages = counted_alloc
+    memory.drop_drafts = counted_drop
+    memory.take_draft_pages = counted_alloc
     reqs = [h.submit(prompt(70 + i, 9 + 5 * i), 60, ignore_eos=True) for i in range(8)]
     most = 0
     while h.open:
         h.step()
-        most = max(most, sum(len(r.draft_table) for r in h.sched._running))
+        most = max(most, sum(len(draft_of(r).table) for r in h.sched._running))
     for r in reqs:
         h.assert_identical(r)
     assert most > 0 and spec_counts(h)[1] > 0

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kern.engine.sampler import SamplingParams, logprobs, sample
+from kern.engine.params import SamplingParams
+from kern.engine.sampler import logprobs, sample
 
 
 def logits(n: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -131,7 +132,8 @@ def _reference_process(row, p, tokens, num_prompt, banned):
 
 
 def test_logits_processing_matches_its_definitions_and_the_batch():
-    from kern.engine.sampler import Context, _process
+    from kern.engine.params import Context
+    from kern.engine.sampler import _process
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 50, generator=gen)
@@ -163,7 +165,8 @@ def test_logits_processing_matches_its_definitions_and_the_batch():
 
 
 def test_a_token_log_follows_its_list():
-    from kern.engine.sampler import Context, TokenLog, _process
+    from kern.engine.params import Context
+    from kern.engine.sampler import TokenLog, _process
 
     p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
     x = logits(1, vocab=40, seed=3)

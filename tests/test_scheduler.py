@@ -6,6 +6,8 @@ is compared with ``kern.engine.generate`` alone on the same ids."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +21,7 @@ from hypothesis.stateful import (
 )
 from scheduler_harness import Harness, drop_cache, load, prompt
 
-from kern.engine.scheduler import LimitError
+from kern.engine.request import LimitError
 from kern.tiny import default_model_path
 
 PT = 4  # small pages: many of them, and hits that end mid-page
@@ -277,7 +279,7 @@ def test_the_loop_sleeps_when_there_is_nothing_to_run(tiny_dir):
     thread.start()
     time.sleep(0.3)
     assert steps[0] == 0
-    from kern.engine.scheduler import Request
+    from kern.engine.request import Request
 
     sched.submit(Request([1, 2, 3], 3))
     assert done.wait(30)
@@ -455,3 +457,15 @@ def test_random_traffic_other_families(tiny_dir, family):
         h.assert_identical(r)
     assert page == h.engine.layout.page_bytes
     h.assert_idle_and_clean()
+
+
+def test_the_scheduler_side_imports_no_torch():
+    """The scheduler holds no tensor: it, the request, memory, the drafters and the sampling
+    values import without torch (a fresh interpreter, so nothing imported it before)."""
+    code = (
+        "import sys\n"
+        "import kern.engine.scheduler, kern.engine.request, kern.engine.memory\n"
+        "import kern.engine.spec, kern.engine.params\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

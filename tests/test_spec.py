@@ -22,7 +22,9 @@ from scheduler_harness import Harness, fresh, load, prompt, spec_counts
 from kern.checkpoint import load_checkpoint
 from kern.engine.generate import generate
 from kern.engine.ngram import NgramDrafter
-from kern.engine.sampler import SamplingParams, sample
+from kern.engine.params import SamplingParams
+from kern.engine.sampler import sample
+from kern.engine.spec import DraftState
 from kern.tiny import default_model_path
 
 PT = 4
@@ -89,16 +91,22 @@ def oracle_drafts(h: Harness, answers: dict[tuple[int, ...], list[int]], wrong_e
     """Replace the n-gram drafter with one that knows the rows-1 answer of each prompt in
     ``answers`` and drafts it (one draft in ``wrong_every`` off by one), ignoring max_tokens:
     long accepted runs, stops and lengths inside them, rejections at known places."""
-    rows = h.sched.rows
+    drafter = h.sched.drafter
+    rows = drafter.rows
 
-    def draft(req, room: int) -> list[int]:
+    def plan(req, room: int) -> tuple[int, int] | None:
         ans = answers.get(tuple(req.prompt_ids))
         if ans is None or req.num_output == 0 or room <= 0:
-            return []
+            return None
         out = ans[req.num_output : req.num_output + min(rows - 1, room)]
-        return [t + 1 if (req.num_output + i) % wrong_every == 0 else t for i, t in enumerate(out)]
+        if req.draft is None:
+            req.draft = DraftState()
+        req.draft.drafts = [
+            t + 1 if (req.num_output + i) % wrong_every == 0 else t for i, t in enumerate(out)
+        ]
+        return len(out), len(out)
 
-    h.sched._draft = draft
+    drafter.plan = plan
 
 
 @pytest.mark.parametrize("family", FAMILIES)

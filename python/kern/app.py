@@ -55,8 +55,9 @@ from typing import Any
 import msgspec
 
 from kern import __version__
-from kern.engine.sampler import SamplingParams
-from kern.engine.scheduler import Event, LimitError, Request, Scheduler, start_scheduler
+from kern.engine.params import SamplingParams
+from kern.engine.request import Event, LimitError, Request
+from kern.engine.scheduler import Scheduler, start_scheduler
 from kern.server import api, logs
 from kern.server.api import ApiError
 from kern.server.logs import RequestRecord, StatsLine, request_id

@@ -39,6 +39,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kern.pool import Stats
+
 __all__ = ["FINISH_REASONS", "Metrics"]
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -216,9 +218,46 @@ class Metrics:
         reg.register(_Snapshot(self))
         reg.register(_Labelled(ProcessCollector(registry=None), model_name))
 
+    def snapshot(
+        self,
+        s: Stats,
+        *,
+        num_running: int,
+        num_waiting: int,
+        max_pages: int,
+        arena_bytes: tuple[int, int],
+    ) -> None:
+        """Replace :attr:`gauges` with one step's values (scheduler thread): the pool's
+        ``Stats``, the queue's lengths, the pages the pool can give requests and the arenas'
+        sizes (device, host)."""
+        # Pages requests hold: neither free nor the tree's. 0 when nothing runs.
+        held = s.pages_used - s.resident_pages
+        device_arena, host_arena = arena_bytes
+        # One dict replaced whole: a scrape reads one step's values.
+        self.gauges = {
+            "kern_num_requests_running": num_running,
+            "kern_num_requests_waiting": num_waiting,
+            "kern_kv_cache_usage_perc": held / max_pages,
+            "kern_pool_pages_total": max_pages,
+            "kern_pool_pages_free": s.pages_free,
+            "kern_pool_pages_cached": s.resident_pages,
+            "kern_pool_pages_held": held,
+            # The slot class's own slots (Stats.slots_free also counts free chunks it could
+            # grow into, which pages may take as well): free + held + cached == total.
+            "kern_pool_slots_total": s.slot_capacity,
+            "kern_pool_slots_free": s.slot_capacity - s.slots_used,
+            "kern_pool_slots_held": s.slots_used - s.resident_states,
+            "kern_pool_slots_cached": s.resident_states,
+            "kern_host_pages_free": s.host_pages_free,
+            "kern_host_pages_parked": s.parked_pages,
+            "kern_cache_nodes": s.num_nodes,
+            "kern_device_arena_bytes": device_arena,
+            "kern_host_arena_bytes": host_arena,
+        }
+
     def finished(self, req: Any, reason: str, now: float) -> None:
         """Record a request's end (scheduler thread): ``req`` is a
-        ``kern.engine.scheduler.Request``."""
+        ``kern.engine.request.Request``."""
         self.success[reason].inc()
         if reason == "abort":
             self.aborted.inc()

@@ -1,8 +1,9 @@
 """The KV cache books, re-exported from the Rust extension ``kern._pool``.
 
 Ids cross as buffers: pass token ids and page ids as numpy uint32 arrays, ``array('I')`` or
-bytes; page lists come back as ``bytes`` of little-endian uint32 (``np.frombuffer(b, np.uint32)``
-views them without a copy).
+bytes; page lists come back as ``bytes`` of little-endian uint32. The conversions are owned here,
+as tiktoken's ``Encoding`` owns its numpy handling: :func:`u32` makes the buffer from a list of
+ids, :func:`ids` reads one back as a list.
 
 Contract with the caller (the scheduler), one call per operation:
 
@@ -28,5 +29,21 @@ Contract with the caller (the scheduler), one call per operation:
 - Every error is raised before anything changes.
 """
 
-from kern._pool import *  # noqa: F403  (the names and __all__ are the extension's)
-from kern._pool import __all__  # noqa: F401
+from collections.abc import Sequence
+
+import numpy as np
+
+from kern import _pool
+from kern._pool import *  # noqa: F403  (the extension's names)
+
+__all__ = [*_pool.__all__, "ids", "u32"]
+
+
+def u32(ids: Sequence[int]) -> np.ndarray:
+    """Token or page ids as the uint32 buffer every call takes (a copy)."""
+    return np.asarray(ids, dtype=np.uint32)
+
+
+def ids(buf: bytes) -> list[int]:
+    """A returned buffer of uint32 ids (``Match.pages``, ``take_pages``) as a list."""
+    return np.frombuffer(buf, dtype=np.uint32).tolist()

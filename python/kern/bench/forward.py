@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from kern.batch import SeqChunk
 from kern.checkpoint import Checkpoint, load_checkpoint
+from kern.chunk import SeqChunk
+from kern.engine.params import SamplingParams
 from kern.engine.runner import Runner
-from kern.engine.sampler import SamplingParams, sample
+from kern.engine.sampler import sample
 
 # ~88M parameters: 12 layers of 768 (GQA 12/4 heads of 64, MLP 2048) and an 8192-token vocab.
 MODEL_100M = dict(

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from kern.batch import SeqChunk
 from kern.checkpoint import load_checkpoint
+from kern.chunk import SeqChunk
+from kern.engine.params import Context, SamplingParams
 from kern.engine.runner import Runner
-from kern.engine.sampler import Context, SamplingParams, TokenLog, sample
+from kern.engine.sampler import TokenLog, sample
 from kern.tiny import default_model_path, make_tiny
 
 SCHEMA = {

@@ -67,7 +67,7 @@ class _Driver:
     """A scheduler at some rows over the engine, stepped here; one request at a time."""
 
     def __init__(self, engine, rows: int) -> None:
-        from kern.engine.scheduler import Request
+        from kern.engine.request import Request
 
         self.Request = Request
         self.done: dict[int, list[float]] = {}

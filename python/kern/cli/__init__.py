@@ -419,7 +419,7 @@ def _sampling(args: argparse.Namespace):
     }
     if not given:
         return None
-    from kern.engine.sampler import SamplingParams
+    from kern.engine.params import SamplingParams
 
     # Asking for top-p/top-k/a seed without a temperature means sampling at temperature 1.
     given.setdefault("temperature", 1.0)
@@ -530,7 +530,7 @@ def _cmd_test(args: argparse.Namespace) -> int:
     ckpt = _load(target)
     draft = _load_draft(target)
     from kern.engine.generate import generate
-    from kern.engine.sampler import SamplingParams
+    from kern.engine.params import SamplingParams
 
     tok = ckpt.tokenizer
     # float32 paths differ by rounding only (1e-6 to 5e-6 measured on the tiny models); bf16

@@ -392,7 +392,8 @@ def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) 
 
 def _decode_rate(args: argparse.Namespace, runner, tables, slots, repeat: int) -> float:
     from kern.batch import SeqChunk
-    from kern.engine.sampler import GREEDY, sample
+    from kern.engine.params import GREEDY
+    from kern.engine.sampler import sample
 
     batch = len(tables)
     prompt = [1] * args.prompt_tokens
@@ -422,7 +423,8 @@ def _baselines(
     from pathlib import Path
 
     from kern.engine.load import Engine
-    from kern.engine.scheduler import Request, Scheduler, start_scheduler
+    from kern.engine.request import Request
+    from kern.engine.scheduler import Scheduler, start_scheduler
     from kern.kern_toml import Target
 
     target = Target(

@@ -8,15 +8,15 @@ Design notes
   ``tokenizer.json`` files), the same ``vocab_size``, and what kern cannot honour is refused by
   name: a draft whose per-token KV does not fit the target's page (see below).
 * Memory: the draft has no budget of its own. In the server its KV pages are pool pages,
-  taken per request with the same make-room and allocation calls as the target's (kern.
-  scheduler), freed at request end, abort and preemption, never given to the prefix tree. One
-  pool page holds one draft page: the draft's ``page_tokens`` is the target's times ``m``,
-  the largest power of two (the CPU attention tiles power-of-two pages) whose draft page fits
-  the pool page (:func:`draft_layout`), so a 2-layer draft of a 24-layer target's width puts
-  8x the tokens in a page and pays 1/12 of the target's KV per token, rounded up to a page.
-  A stateful draft (``qwen3_5``) takes its slots from the pool too: the engine sizes the
-  pool's slots for the larger of the two states, so a stateless target with a stateful draft
-  gets a slot class it would not otherwise have.
+  taken per request with the same make-room and allocation calls as the target's
+  (kern.engine.memory), freed at request end, abort and preemption, never given to the
+  prefix tree. One pool page holds one draft page: the draft's ``page_tokens`` is the
+  target's times ``m``, the largest power of two (the CPU attention tiles power-of-two
+  pages) whose draft page fits the pool page (:func:`draft_layout`), so a 2-layer draft of a
+  24-layer target's width puts 8x the tokens in a page and pays 1/12 of the target's KV per
+  token, rounded up to a page. A stateful draft (``qwen3_5``) takes its slots from the pool
+  too: the engine sizes the pool's slots for the larger of the two states, so a stateless
+  target with a stateful draft gets a slot class it would not otherwise have.
 * A stateful draft's rollback: its one-row draft steps move the state past what the target
   may accept, and ``keep_rows`` only rewinds within one forward. So the state after the
   catch-up (the last accepted position) is copied to a second slot before drafting; when a
@@ -25,35 +25,24 @@ Design notes
   two pool slots per drafting request, held until it ends, and a slot copy a round; the
   per-row states ``keep_rows`` keeps would need every draft step in one forward, which a
   draft that feeds on its own output cannot do.
-* Drafting is greedy (argmax): a point-mass proposal, so accepting a draft while it equals
-  the target's own draw at that row (kern.engine.scheduler, kern.engine.generate) is standard
-  speculative sampling, exact for greedy and sampled requests alike. The draft only changes how many
-  tokens a step yields, never which.
-* :class:`ModelDrafter` is the one-sequence drafter of ``kern run`` (kern.engine.generate), over
-  pages of its own; the server batches the same steps across requests in the scheduler.
-  Both feed the draft every accepted token before it drafts again (a catch-up chunk), and
-  count as computed only the drafted positions that were accepted: the rest is overwritten.
+* How a draft model drafts (greedy, batched, a catch-up chunk of every accepted token, then
+  one-row steps) is kern.engine.spec's, for the server and ``kern run`` alike; this module
+  loads and checks the checkpoint.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from kern.batch import SeqChunk
 from kern.engine.layout import Layout
-from kern.engine.runner import Runner
-from kern.engine.sampler import SamplingParams, sample
 from kern.errors import UsageError
 from kern.kern_toml import Target
 from kern.model_config import ModelConfig, load_config
 
-__all__ = ["ModelDrafter", "argmax", "check_draft", "check_draft_target", "draft_layout"]
-
-_GREEDY = SamplingParams()
+__all__ = ["check_draft", "check_draft_target", "draft_layout"]
 
 
 def check_draft(target_dir: Path, draft_dir: Path, where: str) -> ModelConfig:
@@ -146,56 +135,3 @@ def draft_layout(
             "KV per token than the target"
         )
     return best
-
-
-def argmax(logits: torch.Tensor) -> list[int]:
-    """The greedy token of each row, as the sampler picks it (its tie-break included)."""
-    n = logits.shape[0]
-    return sample(logits, [_GREEDY] * n, [0] * n) if n else []
-
-
-class ModelDrafter:
-    """Greedy drafts from a draft model for one sequence, over a runner whose pages (and, for
-    a stateful draft, slots 0 and 1: the working state and the saved one) are its own
-    (``kern run``). Mutates the runner's pages and slots."""
-
-    def __init__(self, runner: Runner) -> None:
-        if runner.stateful and runner.num_slots < 2:
-            raise ValueError("a stateful draft needs two slots (working and saved)")
-        self.runner = runner
-        self.table = list(range(runner.num_pages))
-        self.num_computed = 0  # positions of the sequence in the draft's KV
-        self._base = 0  # the sequence's length at the last draft
-        self._k = 0  # drafts the last draft made
-
-    def draft(self, tokens: Sequence[int], k: int) -> list[int]:
-        """``k`` greedy tokens after ``tokens`` (the whole sequence so far); computes what the
-        draft has not seen (every accepted token) first. Then call :meth:`accepted`."""
-        if k <= 0:
-            return []
-        run = self.runner
-        n = len(tokens)
-        if n + k - 1 > len(self.table) * run.page_tokens:
-            raise ValueError(f"the draft's pages hold {len(self.table) * run.page_tokens} tokens")
-        slot = 0 if run.stateful else None
-        chunk = SeqChunk(tokens[self.num_computed :], self.num_computed, self.table, slot=slot)
-        out = argmax(run.forward([chunk]))
-        if run.stateful and k > 1:
-            run.copy_slots([0], [1])  # the state at the last accepted token, for a rollback
-        while len(out) < k:
-            pos = n + len(out) - 1
-            out += argmax(run.forward([SeqChunk([out[-1]], pos, self.table, slot=slot)]))
-        self.num_computed = n
-        self._base = n
-        self._k = k
-        return out
-
-    def accepted(self, num_drafts: int) -> None:
-        """The last :meth:`draft`'s first ``num_drafts`` tokens were accepted: their KV (all
-        but the last draft's, which the draft never computed) is kept; a stateful draft goes
-        back to its saved state unless every draft it computed was accepted."""
-        kept = min(num_drafts, self._k - 1)
-        if self.runner.stateful and kept < self._k - 1:
-            self.runner.copy_slots([1], [0])
-            kept = 0
-        self.num_computed = self._base + kept

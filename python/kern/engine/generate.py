@@ -6,11 +6,13 @@ Design notes
 * One sequence in a Runner of its own: the prompt is prefilled in one chunk, then each step
   is one decode chunk (``rows == 1``) or one verify chunk of ``1 + drafts`` rows
   (``rows > 1``), drafts from n-gram lookup in the context (:class:`NgramDrafter`), or from a
-  draft checkpoint (``draft``, :class:`kern.engine.draft.ModelDrafter`, on pages of its own: the
-  server takes them from its pool, which changes no token).
+  draft checkpoint (``draft``, :func:`kern.engine.spec.draft_greedy`, the server's batched
+  drafting, here on pages and slots of its own: the server takes them from its pool, which
+  changes no token).
 * Verification keeps identity with ``rows == 1``: row j of a verify chunk yields the token
   plain decoding would pick at that position (same context, the sampler's draw index is the
-  token's index), and drafts are accepted while they equal those tokens. The first mismatch
+  token's index), and drafts are accepted while they equal those tokens
+  (:func:`kern.engine.spec.accept`, the server's rule). The first mismatch
   is replaced by the verified token, so each step adds 1 to ``rows`` tokens. Rejected drafts'
   K/V are overwritten when the sequence reaches their positions again; a recurrent state is
   rewound with ``Runner.keep_rows``. Identity is bitwise wherever the backend's forward is
@@ -27,12 +29,13 @@ import torch
 from torch import Tensor
 
 from kern.backend import make_ops
-from kern.batch import SeqChunk
 from kern.checkpoint import Checkpoint
-from kern.engine.draft import ModelDrafter
+from kern.chunk import SeqChunk
 from kern.engine.ngram import NgramDrafter
+from kern.engine.params import SamplingParams
 from kern.engine.runner import Runner
-from kern.engine.sampler import SamplingParams, sample
+from kern.engine.sampler import Sampler, sample
+from kern.engine.spec import DraftState, accept, draft_greedy
 
 __all__ = ["GenerateResult", "NgramDrafter", "generate"]
 
@@ -119,7 +122,9 @@ def generate(
     out.extend(pick(logits, 0))
     drafter = NgramDrafter(prompt_ids)
     drafter.extend(out)
-    model_drafter = None
+    # A draft checkpoint's runner over pages (and, stateful, slots 0 working, 1 saved) of its
+    # own, and the sequence's draft state in it.
+    model: tuple[Sampler, DraftState] | None = None
     if draft is not None and rows > 1:
         draft_runner = Runner.with_pages(
             draft,
@@ -128,30 +133,36 @@ def generate(
             num_slots=2,
             ops=runner.ops,
         )
-        model_drafter = ModelDrafter(draft_runner)
+        state = DraftState(table=list(range(draft_runner.num_pages)))
+        if draft_runner.stateful:
+            state.slot, state.saved = 0, 1
+        model = (Sampler(draft_runner), state)
     pos = len(prompt_ids)  # tokens in the KV; out[-1] is not yet
     while len(out) < steps:
         num = min(rows - 1, steps - len(out) - 1)
-        if model_drafter is not None:
-            drafts = model_drafter.draft(prompt_ids + out, num)
-        else:
+        if model is None:
             drafts = drafter.draft(num)
+        elif num > 0:
+            context = prompt_ids + out
+            state = model[1]
+            draft_greedy(model[0], [(context, state, len(context) - state.computed, num)])
+            drafts = state.drafts
+        else:
+            drafts = []
         chunk = [out[-1], *drafts]
         mode = "all" if rows > 1 else "last"
         logits = runner.forward([SeqChunk(chunk, pos, table, slot=0, logits=mode)])
         # Rows past the first mismatch saw a wrong context; their probes must not count.
         verified = pick(logits, len(out))
-        accepted = 1
-        while accepted < len(chunk) and chunk[accepted] == verified[accepted - 1]:
-            accepted += 1
+        accepted = accept(drafts, verified)
         num_drafted += len(drafts)
         num_accepted += accepted - 1
         for key in [s for s in probes if s >= len(out) + accepted]:
             del probes[key]
         if rows > 1 and runner.stateful:
             runner.keep_rows(0, accepted)
-        if model_drafter is not None and drafts:
-            model_drafter.accepted(accepted - 1)
+        if model is not None and drafts:
+            model[1].accepted(accepted, model[0].runner.copy_slots)
         new = verified[:accepted]
         out.extend(new)
         drafter.extend(new)

@@ -44,8 +44,11 @@ from kern.engine.layout import Layout
 from kern.engine.ranks.launch import Ranks, rank_device
 from kern.engine.ranks.runner import RankedRunner
 from kern.engine.ranks.shard import Shard
+from kern.engine.request import Event, Request
 from kern.engine.runner import Runner
-from kern.engine.scheduler import Event, Request, Scheduler
+from kern.engine.sampler import Sampler
+from kern.engine.scheduler import Scheduler
+from kern.engine.spec import Drafter, ModelDrafts, NgramDrafts
 from kern.errors import UsageError
 from kern.kern_toml import Target
 from kern.metrics import Metrics
@@ -143,20 +146,29 @@ class Engine:
         *,
         metrics: Metrics | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
-        **limits: Any,
+        rows: int | None = None,
+        **limits: int,
     ) -> Scheduler:
         """A scheduler over this engine's runner and cache (``limits``: ``max_step_tokens``,
-        ``max_running``, ``rows``; ``rows`` defaults to the target's ``decode_rows``)."""
-        limits.setdefault("rows", self.target.decode_rows)
+        ``max_running``); ``rows`` (default: the target's ``decode_rows``) above 1 verifies
+        drafts from the draft checkpoint when the target names one, else n-gram drafts."""
+        rows = self.target.decode_rows if rows is None else rows
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        drafter: Drafter | None = None
+        if rows > 1:
+            drafter = (
+                NgramDrafts(rows) if self.draft is None else ModelDrafts(rows, Sampler(self.draft))
+            )
         return Scheduler(
-            self.runner,
+            Sampler(self.runner),
             self.cache,
             eos_token_ids=self.checkpoint.tokenizer.eos_token_ids,
             max_model_len=self.checkpoint.config.max_position_embeddings,
             deliver=deliver,
             metrics=metrics,
             on_crash=on_crash,
-            draft=self.draft,
+            drafter=drafter,
             **limits,
         )
 

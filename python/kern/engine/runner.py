@@ -42,14 +42,15 @@ import torch
 from torch import Tensor
 
 from kern.backend import Ops, make_ops
-from kern.batch import SeqChunk, build_step, validate
+from kern.batch import build_step, validate
 from kern.checkpoint import Checkpoint
+from kern.chunk import SeqChunk
 from kern.engine.arena import Arena, Geometry, land
 from kern.engine.layout import Layout
 from kern.models import Caches, build_model
 from kern.pool import CopyPlan
 
-__all__ = ["Runner", "SeqChunk"]
+__all__ = ["Runner"]
 
 
 class Runner:

@@ -21,8 +21,11 @@ Design notes
   then min-p (tokens below ``min_p`` times the top probability), then inverse-CDF sampling in
   float64 over what is left.
 * Logprobs are the model's, before any processing (vLLM's default, "raw").
-* Both functions take the runner's logits as they come and return plain Python values, so
-  the scheduler that calls them never handles a tensor.
+* Both functions take the runner's logits as they come and return plain Python values.
+  :class:`Sampler` runs a forward and applies them to its logits on the runner side, so the
+  scheduler hands it values (chunks and :class:`kern.engine.params.Pick`) and gets ids and
+  logprob entries back: it never holds a tensor nor imports torch. The per-request tensors
+  (the penalties' :class:`TokenLog`) live here too, keyed weakly by their request.
 """
 
 from __future__ import annotations
@@ -30,80 +33,67 @@ from __future__ import annotations
 import functools
 import hashlib
 import secrets
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Context", "LogprobEntry", "SamplingParams", "logprobs", "sample"]
+from kern.chunk import SeqChunk
+from kern.engine.params import GREEDY, Context, LogprobEntry, Pick, SamplingParams
 
-# The chosen token's logprob and the top ones as (token id, logprob), most likely first.
-LogprobEntry = tuple[float, list[tuple[int, float]]]
+if TYPE_CHECKING:
+    from kern.engine.runner import Runner
+
+__all__ = ["Sampler", "TokenLog", "logprobs", "sample"]
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters; seed None draws
-    a fresh random seed for every token."""
+class Sampler:
+    """The runner side of a step's choice: runs ``runner``'s forward and turns its logits into
+    Python values. Holds each request's token log (made when its penalties first need it,
+    dropped with the request). The runner is looked up at each call, not bound once."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    # (token id, bias) pairs.
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self._logs: weakref.WeakKeyDictionary[object, TokenLog] = weakref.WeakKeyDictionary()
 
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def processes(self) -> bool:
-        """Whether the logits change before the choice (penalties or a bias)."""
-        return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.logit_bias
+    def forward(
+        self, batch: Sequence[SeqChunk], picks: Sequence[Pick]
+    ) -> list[tuple[int, LogprobEntry | None]]:
+        """Run ``batch`` and pick a token for each logits row (``picks``, one per row, in
+        order): (token id, logprob entry or None). Mutates what ``Runner.forward`` does."""
+        logits = self.runner.forward(batch)
+        if not picks:
+            return []
+        contexts: list[Context | None] = []
+        for p in picks:
+            ctx = p.context
+            if ctx is not None and p.owner is not None and p.params.processes:
+                log = self._logs.get(p.owner)
+                if log is None:
+                    log = self._logs[p.owner] = TokenLog()
+                ctx = replace(ctx, log=log)
+            contexts.append(ctx)
+        picked = sample(
+            logits,
+            [p.params for p in picks],
+            [p.draw_id for p in picks],
+            contexts if any(c is not None for c in contexts) else None,
         )
+        return [
+            (tok, None if p.num_logprobs is None else logprobs(logits, i, tok, p.num_logprobs))
+            for i, (tok, p) in enumerate(zip(picked, picks, strict=True))
+        ]
 
-
-@dataclass(frozen=True, slots=True)
-class Context:
-    """What logits processing needs of a row's request: its tokens so far (prompt, then
-    output) and how many are prompt; ids it may not produce at this step."""
-
-    tokens: Sequence[int]
-    num_prompt: int
-    banned: frozenset[int] = frozenset()
-    # A structured-output matcher (kern.engine.structured.Matcher): masks the row's logits [1, V].
-    grammar: Any = None
-    # The request's tokens as a tensor, kept across steps (converting a whole context to a
-    # tensor every step cost ~10 us per 160 tokens per row); None: converted here.
-    log: TokenLog | None = None
-
-    @property
-    def masks(self) -> bool:
-        return bool(self.banned) or self.grammar is not None
+    def greedy(self, batch: Sequence[SeqChunk]) -> list[int]:
+        """Run ``batch`` and return the greedy token of each logits row, as :func:`sample`
+        picks it (its tie-break included): a draft model's drafts."""
+        logits = self.runner.forward(batch)
+        n = logits.shape[0]
+        return sample(logits, [GREEDY] * n, [0] * n) if n else []
 
 
 class TokenLog:
@@ -132,9 +122,6 @@ class TokenLog:
         self._n = size
         self._last = tokens[size - 1] if size else -1
         return self._buf[:size]
-
-
-GREEDY = SamplingParams()
 
 
 # Requests share their banned sets and biases (the same stop ids, the same client settings):

@@ -66,7 +66,7 @@ class RequestRecord:
     t0: float = field(default_factory=time.perf_counter)
     status: int | None = None
     error: str | None = None
-    # The app's run of a generation request: its sequences (kern.engine.scheduler.Request) and
+    # The app's run of a generation request: its sequences (kern.engine.request.Request) and
     # choices; None for other routes.
     run: Any = None
     prompt: str | None = None

@@ -1,0 +1,386 @@
+"""The scheduler's one door to the cache's books (``kern.pool``): make room, land, take pages
+and slots, wake, release, share prefill, prompt snapshots, and the draft pages speculation
+holds. Every other engine module sees the pool through these verbs and plain ids.
+
+Design notes
+------------
+* Admission takes a prefix hit from ``Cache.match``, capped one token short of the prompt
+  (recompute the last token for logits), its node locked while the request runs; a parked
+  hit is woken and its plan landed first; a hit ending mid-page has its shared page copied
+  before anything is written past it. On a stateful model (qwen3_5) a hit is usable only
+  where a state snapshot sits, and the snapshot is copied into the request's own slot.
+* A hit is worth taking only if it fits: one ending mid-page keeps its locked page *and*
+  needs a copy of it, one page more than the same prompt without the hit, so when the pages
+  cannot be had with the hit, admission retries without it (:meth:`Memory.admit`).
+* Plans pass through: whatever ``make_room`` parks is handed to ``Runner.park`` in one list
+  before anything is allocated again (:meth:`Memory.land`, the one door), a wake's plan to
+  ``Runner.wake`` before the pages are read. Counters come from the returned values alone
+  (``Evicted``, ``Woken.keys``).
+* Two verbs where one flag was: :meth:`Memory.take_pages` and :meth:`Memory.take_slot` serve
+  the target and, when the tree has nothing left to give, take every running request's draft
+  pages and slots first (:meth:`Memory.drop_drafts`), so draft memory can never deadlock the
+  target's; :meth:`Memory.take_draft_pages` and :meth:`Memory.take_draft_slot` serve a draft
+  and never do. Draft pages are private to their request and never given to the tree.
+* Prefill pages are shared at once (stateless models): the full pages a prefill chunk
+  computed go into the tree right after the step, the request locking their node, so a
+  request that arrives while another with the same system prompt runs hits it.
+* Prompt-end snapshots (stateful models): a recurrent model resumes only where a state
+  snapshot sits, and the request-end one lies after the answer, so a repeated prompt would
+  hit nothing. The prefill is cut to stop one token short of the prompt's end (the token a
+  hit recomputes for its logits); right after that step the state is copied into a slot of
+  its own and given to the tree with the prompt's pages (the partial last page as a copy,
+  the request keeps writing its own), so the same prompt again resumes there. If no slot or
+  page can be had the snapshot is skipped: it is a cache, never a reason to wait.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from kern.engine.request import Request
+from kern.metrics import Metrics
+from kern.pool import Cache, CopyPlan, Evicted, Match, PoolFull, Room, Stats, ids, u32
+
+__all__ = ["Memory", "Mover"]
+
+
+class Mover(Protocol):
+    """What memory asks of the runner (``kern.engine.runner.Runner``): the copies that land
+    the cache's plans and the copy-on-write of pages and slots."""
+
+    stateful: bool
+
+    def park(self, plans: Sequence[CopyPlan]) -> None: ...
+    def wake(self, plan: CopyPlan) -> None: ...
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
+
+
+class Memory:
+    """The cache's books for one scheduler, with ``runner`` landing their plans and
+    ``metrics`` counting what they return. ``running`` is the scheduler's own list of running
+    requests (read, never changed here): the requests whose drafts a target page may take."""
+
+    def __init__(
+        self, cache: Cache, runner: Mover, metrics: Metrics, running: list[Request]
+    ) -> None:
+        self.cache = cache
+        self.runner = runner
+        self.metrics = metrics
+        self.running = running
+        self.page_tokens = cache.page_tokens
+        self.stateful = runner.stateful
+        # Every page the pool can give to requests (a stateful pool keeps its first slots).
+        self.max_pages = cache.pages_free
+        host = cache.host
+        # The arenas' sizes: the runner allocates exactly what the pool's geometry says.
+        self.arena_bytes = (cache.device.arena_bytes, 0 if host is None else host.arena_bytes)
+
+    # --- reads ----------------------------------------------------------------------------
+
+    def stats(self) -> Stats:
+        return self.cache.stats()
+
+    @property
+    def pages_free(self) -> int:
+        return self.cache.pages_free
+
+    def match(self, tokens: Sequence[int]) -> Match:
+        """The longest cached prefix of ``tokens``, **locked** when it hit (see
+        ``kern.pool``): :meth:`unlock` its node once done."""
+        return self.cache.match(u32(tokens))
+
+    def unlock(self, node: int) -> None:
+        self.cache.unlock(node)
+
+    @staticmethod
+    def pages(m: Match) -> list[int]:
+        """A match's pages as ids (valid while its lock is held)."""
+        return ids(m.pages)
+
+    # --- admission ------------------------------------------------------------------------
+
+    def admit(self, req: Request) -> bool:
+        """Start ``req`` (admission) with its longest usable hit, else with none: its pages
+        (and slot), its hit locked and its shared pages copied where it writes. False if it
+        cannot have its pages (and slot) now, leaving nothing allocated or locked."""
+        cap = len(req.tokens) - 1  # recompute the last token for logits
+        m = self.match(req.tokens)  # locked when it hit
+        hit = self._usable_hit(m, cap)
+        if hit > 0:
+            if self._admit_with_hit(req, m, hit):
+                return True
+        elif m.node is not None:
+            self.unlock(m.node)
+        return self._start_at(req, None, None, 0)
+
+    def _admit_with_hit(self, req: Request, m: Match, hit: int) -> bool:
+        node = m.node  # locked by the caller's match; unlocked here unless admitted
+        assert node is not None
+        cap = len(req.tokens) - 1
+        if m.resident_len < hit or (self.stateful and m.state_slot is None):
+            parked = -(-m.hit_len // self.page_tokens) - m.resident_len // self.page_tokens
+            if self.wake(node, parked):
+                m = self.match(req.tokens)  # the woken pages, under a lock of their own
+                self.unlock(node)
+                node = m.node
+                assert node is not None
+                hit = self._usable_hit(m, cap)
+            else:
+                # Without the parked part, a stateless hit keeps its resident prefix; a
+                # stateful one has no state to resume from.
+                hit = 0 if self.stateful else min(hit, m.resident_len)
+        if hit > 0 and self._start_at(req, m, node, hit):
+            return True
+        self.unlock(node)
+        return False
+
+    def _start_at(self, req: Request, m: Match | None, node: int | None, hit: int) -> bool:
+        """Allocate what ``req`` needs past a ``hit``-token prefix (``m``'s, locked on
+        ``node`` by the caller) and start it there. False, with nothing allocated, if the
+        pages (or the slot) cannot be had."""
+        pt = self.page_tokens
+        shared = self.pages(m)[: hit // pt] if m is not None and hit else []
+        need = -(-len(req.tokens) // pt) - len(shared)
+        slot = None
+        if self.stateful:
+            slot = self.take_slot()
+            if slot is None:
+                return False
+        own = self.take_pages(need)
+        if own is None:
+            if slot is not None:
+                self.free_slot(slot)
+            return False
+        if m is not None and hit % pt:
+            # The hit's last page is shared with the tree: copy it before writing past the hit.
+            self.runner.copy_pages([self.pages(m)[hit // pt]], [own[0]])
+        if slot is not None and m is not None and hit:
+            assert m.state_slot is not None
+            self.runner.copy_slots([m.state_slot], [slot])
+        req.block_table = shared + own
+        req.node = node
+        req.slot = slot
+        req.num_computed = hit
+        if req.cached_tokens is None:
+            # The first admission (a preempted request resumes without counting again).
+            req.cached_tokens = hit
+            req.t_admit = time.perf_counter()
+            m = self.metrics
+            m.queue_time.observe(req.t_admit - req.t_submit)
+            m.prefix_queries.inc(len(req.prompt_ids))
+            if hit:
+                m.prefix_hits.inc(hit)
+            if req.counts_prompt:
+                m.prompt_tokens.inc(len(req.prompt_ids))
+        return True
+
+    def _usable_hit(self, m: Match, cap: int) -> int:
+        if not self.stateful:
+            return min(m.hit_len, cap)
+        # A recurrent model resumes only from a state taken at exactly the hit length.
+        if m.state_len is None or m.state_len > cap:
+            return 0
+        return m.state_len
+
+    # --- make room and take -----------------------------------------------------------------
+
+    def make_room(self, pages: int, slots: int = 0) -> bool:
+        """Evict until ``pages`` pages and ``slots`` slots can be allocated together (as far
+        as the tree can go) and land what was parked, before anything is allocated again.
+        True when they can."""
+        return self.land(self.cache.make_room(pages, slots=slots))
+
+    def land(self, room: Room) -> bool:
+        """Count what ``room``'s eviction loop took and land what it parked, before any page
+        it freed is written. True when the room asked for is there."""
+        m = self.metrics
+        plans = []
+        for ev in room.evicted:
+            match ev:
+                case Evicted.Parked(_, plan, dropped):
+                    m.parked.inc()
+                    if dropped:
+                        m.dropped_parked.inc(len(dropped))
+                    plans.append(plan)
+                case Evicted.Dropped(_, parked):
+                    if parked:
+                        m.dropped_parked.inc()
+                    else:
+                        m.dropped_resident.inc()
+        self.runner.park(plans)
+        return room.fits
+
+    def take_pages(self, n: int) -> list[int] | None:
+        """``n`` pages for the target, making room and, when the tree has nothing left to
+        give, taking the running requests' draft pages; None when they cannot be had."""
+        if n <= 0:
+            return []
+        pages, room = self.cache.take_pages(n)  # make room and allocate, in one call
+        self.land(room)
+        if pages is None and self.drop_drafts():
+            pages, room = self.cache.take_pages(n)
+            self.land(room)
+        return None if pages is None else ids(pages)
+
+    def take_draft_pages(self, n: int) -> list[int] | None:
+        """``n`` pages for a draft, making room but never taking other drafts' pages."""
+        if n <= 0:
+            return []
+        pages, room = self.cache.take_pages(n)
+        self.land(room)
+        return None if pages is None else ids(pages)
+
+    def take_slot(self) -> int | None:
+        """A state slot for the target, making room (and, as :meth:`take_pages`, taking
+        draft memory); None when none can be had."""
+        if not self.make_room(0, slots=1) and not (
+            self.drop_drafts() and self.make_room(0, slots=1)
+        ):
+            return None
+        return self.cache.alloc_slot()
+
+    def take_draft_slot(self) -> int | None:
+        """A state slot for a draft, making room; never taking draft memory."""
+        if not self.make_room(0, slots=1):
+            return None
+        return self.cache.alloc_slot()
+
+    def free_slot(self, slot: int) -> None:
+        self.cache.free_slot(slot)
+
+    def wake(self, node: int, num_pages: int) -> bool:
+        """Bring the parked part of ``node``'s path back (locked by the caller); it spans
+        about ``num_pages`` pages. False when the room cannot be had."""
+        try:
+            woken = self.cache.wake(node)
+        except PoolFull:
+            self.make_room(num_pages, slots=1 if self.stateful else 0)
+            try:
+                woken = self.cache.wake(node)
+            except PoolFull:
+                return False
+        if woken.keys:
+            self.metrics.woken.inc(len(woken.keys))
+        self.runner.wake(woken.plan)
+        return True
+
+    # --- give back --------------------------------------------------------------------------
+
+    def release(self, req: Request, *, snapshot: bool) -> None:
+        """Give the request's computed tokens and pages to the tree, unlock, free the rest
+        (its draft memory too)."""
+        n = req.num_computed
+        num_pages = -(-n // self.page_tokens)
+        keep, extra = req.block_table[:num_pages], req.block_table[num_pages:]
+        node, req.node = req.node, None
+        slot = req.slot
+        state = slot if (n > 0 and snapshot and slot is not None) else None
+        # One call: the tree takes what it lacks and frees the rest (the request's duplicate
+        # pages, and the slot when it already holds a snapshot at this length), the match's
+        # lock is released and the pages past the computed tokens are freed. (With nothing
+        # computed, `keep` is empty and the insert of an empty key changes nothing.)
+        ins = self.cache.release(u32(req.tokens[:n]), u32(keep), state, node, u32(extra))
+        if ins.woken:
+            self.metrics.woken.inc(ins.woken)
+        if state is not None:
+            slot = None
+        if slot is not None:
+            self.cache.free_slot(slot)
+        self.free_draft(req)
+        req.slot = None
+        req.block_table = []
+        req.num_computed = 0
+
+    def drop_drafts(self) -> bool:
+        """Free every running request's draft pages (their drafts start over from the whole
+        context): target pages come first. True if any were held."""
+        held = [
+            r
+            for r in self.running
+            if r.draft is not None and (r.draft.table or r.draft.slot is not None)
+        ]
+        for r in held:
+            self.free_draft(r)
+        return bool(held)
+
+    def free_draft(self, req: Request) -> None:
+        """Give back ``req``'s draft pages and slots (never cached: private to it)."""
+        d = req.draft
+        if d is None:
+            return
+        if d.table:
+            self.cache.free_pages(u32(d.table))
+        for slot in (d.slot, d.saved):
+            if slot is not None:
+                self.cache.free_slot(slot)
+        d.table = []
+        d.computed = 0
+        d.slot = d.saved = None
+
+    # --- sharing with the tree --------------------------------------------------------------
+
+    def share_prefill(self, req: Request) -> None:
+        """Give the full pages a prefill chunk just computed to the tree at once, so requests
+        arriving while this one runs hit them (a shared system prompt), not only after it
+        ends. The insert frees the request's copies of pages the tree already held, so the
+        request then reads the tree's pages, under a lock on their node. (A stateful model
+        shares only at exact state snapshots.)"""
+        cache, pt = self.cache, self.page_tokens
+        n = req.num_computed // pt * pt
+        if n == 0:
+            return
+        key = u32(req.tokens[:n])
+        ins = cache.insert(key, u32(req.block_table[: n // pt]), None)
+        if ins.woken:
+            self.metrics.woken.inc(ins.woken)
+        m = cache.match(key)  # locks the path, now all resident
+        assert m.node is not None and m.resident_len == n
+        req.block_table[: n // pt] = ids(m.pages)
+        if req.node is not None:
+            cache.unlock(req.node)
+        req.node = m.node
+
+    def prompt_snapshot_at(self, req: Request) -> int | None:
+        """Where ``req``'s prompt-end snapshot goes (see the design notes), if it still needs
+        one: one token short of the prompt, past its hit, before its first output."""
+        if not self.stateful or req.prompt_snapshot_done or req.num_output:
+            return None
+        at = len(req.prompt_ids) - 1
+        if at <= 0 or at <= (req.cached_tokens or 0):
+            req.prompt_snapshot_done = True  # a repeat resumed there: the tree has it
+            return None
+        return at
+
+    def prompt_snapshot(self, req: Request) -> None:
+        """Give the tree the state ``req`` has now (its prompt but the last token computed)
+        with the pages that hold those tokens; the request then reads the tree's full pages
+        under a lock, and keeps its own partial last page."""
+        req.prompt_snapshot_done = True
+        cache, pt, n = self.cache, self.page_tokens, req.num_computed
+        full = n // pt
+        slot = self.take_slot()
+        if slot is None:
+            return
+        pages = req.block_table[:full]
+        if n % pt:
+            copy = self.take_pages(1)
+            if copy is None:
+                cache.free_slot(slot)
+                return
+            self.runner.copy_pages([req.block_table[full]], copy)
+            pages = pages + copy
+        assert req.slot is not None
+        self.runner.copy_slots([req.slot], [slot])
+        key = u32(req.tokens[:n])
+        ins = cache.insert(key, u32(pages), slot)
+        if ins.woken:
+            self.metrics.woken.inc(ins.woken)
+        m = cache.match(key)  # locks the path, now all resident, its snapshot at n
+        assert m.node is not None and m.resident_len == n and m.state_len == n
+        req.block_table[:full] = ids(m.pages)[:full]
+        if req.node is not None:
+            cache.unlock(req.node)
+        req.node = m.node
