@@ -1,8 +1,8 @@
 """The HTTP server under the ASGI entry ``kern.app:app`` (the transport): ``http`` (the ASGI
-types and response helpers, a leaf), ``settings``, ``openai`` (the handlers of a loaded model),
-``responses`` (a generation's events rendered as a whole answer or a stream, completions and
-chat), ``text`` (a choice's text), ``api`` (the wire types), ``splitter`` (reasoning and tool
-calls) and ``logs``.
+types and response helpers, a leaf), ``settings``, ``openai`` (the handlers of a loaded
+model), ``prompts`` (a prompt as token ids), ``responses`` (a generation's events rendered as
+a whole answer or a stream, completions and chat), ``text`` (a choice's text), ``api`` (the
+wire types), ``splitter`` (reasoning and tool calls) and ``logs``.
 
 Nothing is imported here on purpose: each module is imported by name.
 

@@ -12,9 +12,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
-
-import msgspec
+from typing import TypeVar
 
 from kern.engine.sampler import SamplingParams
 from kern.engine.scheduler import LimitError, Request, Scheduler
@@ -23,17 +21,15 @@ from kern.server import api
 from kern.server.api import ApiError
 from kern.server.http import Marker, Receive, Send, respond
 from kern.server.logs import RECORD
+from kern.server.prompts import Prompts
 from kern.server.responses import Abort, ChatRun, CompletionRun, Item, Run
 from kern.server.splitter import Splitter, opens_reasoning
 from kern.server.text import Choice
-from kern.tokenizer import ChatTemplateError, Tokenizer
+from kern.tokenizer import Tokenizer
 
 __all__ = ["OpenAI"]
 
 log = logging.getLogger("kern")
-
-# Characters above which a prompt is tokenized on a worker thread.
-_THREAD_TEXT = 16_384
 
 T = TypeVar("T")
 Body = api.CompletionRequest | api.ChatCompletionRequest
@@ -71,6 +67,7 @@ class OpenAI:
         # The first prompt's text goes into the request's log line.
         self.log_prompts = log_prompts
         self.created = created
+        self.prompts = Prompts(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len)
         # The generations in flight: the server's drain ends them (shut_down).
         self.runs: set[Run] = set()
 
@@ -100,13 +97,13 @@ class OpenAI:
         body = api.decode(raw, api.TokenizeRequest)
         self._check_model(body.model)
         if body.messages is not None:
-            text, contents = self._render_chat(
+            text, contents = self.prompts.render_chat(
                 body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
             )
-            ids = await self._encode(text, "messages", contents=contents)
+            ids = await self.prompts.encode(text, "messages", contents=contents)
         else:
             assert body.prompt is not None
-            ids = await self._encode(
+            ids = await self.prompts.encode(
                 body.prompt, "prompt", add_special_tokens=bool(body.add_special_tokens)
             )
         out = api.TokenizeResponse(ids, len(ids), self.max_model_len)
@@ -115,7 +112,7 @@ class OpenAI:
     async def detokenize(self, raw: bytes, send: Send) -> None:
         body = api.decode(raw, api.DetokenizeRequest)
         self._check_model(body.model)
-        self._check_ids(body.tokens, "tokens")
+        self.prompts.check_ids(body.tokens, "tokens")
         out = api.DetokenizeResponse(self.tokenizer.decode(body.tokens))
         await respond(send, 200, api.encode(out))
 
@@ -129,9 +126,9 @@ class OpenAI:
         for i, prompt in enumerate(batch):
             param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
-                prompts.append(await self._encode(prompt, param))
+                prompts.append(await self.prompts.encode(prompt, param))
             else:
-                self._check_ids(prompt, param)
+                self.prompts.check_ids(prompt, param)
                 prompts.append(list(prompt))
         # OpenAI's default for completions is 16 tokens; null means the default.
         limit = 16 if body.max_tokens is None else body.max_tokens
@@ -142,10 +139,10 @@ class OpenAI:
     async def chat(self, raw: bytes, receive: Receive, send: Send) -> None:
         body = self._decode(raw, api.ChatCompletionRequest)
         self._check_model(body.model)
-        text, contents = self._render_chat(
+        text, contents = self.prompts.render_chat(
             body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
         )
-        prompt_ids = await self._encode(text, "messages", contents=contents)
+        prompt_ids = await self.prompts.encode(text, "messages", contents=contents)
         limit = body.token_limit()
         opened = self.reasoning and opens_reasoning(text)
         tools = body.tool_choice_name() != "none"
@@ -174,106 +171,6 @@ class OpenAI:
                 type="invalid_request_error",
                 code="model_not_found",
             )
-
-    def _check_ids(self, ids: list[int], param: str) -> None:
-        for i, t in enumerate(ids):
-            if t >= self.vocab_size:
-                raise ApiError(
-                    400,
-                    f"token id {t} is not below the vocabulary size {self.vocab_size}",
-                    param=f"{param}[{i}]",
-                    code="invalid_value",
-                )
-
-    async def _encode(
-        self,
-        text: str,
-        param: str,
-        *,
-        add_special_tokens: bool = False,
-        contents: list[str] | None = None,
-    ) -> list[int]:
-        """Token ids of a prompt's text (a rendered chat prompt with its messages' ``contents``:
-        their added-token text stays plain). Refuses, before tokenizing, a text too long to
-        fit the context whatever it encodes to; tokenizes a long one on a worker thread, so
-        the event loop keeps serving everyone else meanwhile."""
-        size = len(text.encode("utf-8", "surrogatepass"))
-        # No token covers more than max_token_bytes bytes of normalized text, and NFC at
-        # most shrinks text threefold (decomposed Hangul): 4x that is a safe lower bound.
-        least = size // (4 * self.tokenizer.max_token_bytes)
-        if least > self.max_model_len:
-            raise ApiError(
-                400,
-                f"the prompt is {size} bytes, at least {least} tokens: over the model's "
-                f"context of {self.max_model_len} tokens",
-                param=param,
-                code="context_length_exceeded",
-            )
-
-        def encode() -> list[int]:
-            if contents is not None:
-                return self.tokenizer.encode_chat(text, contents)
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-        try:
-            if len(text) > _THREAD_TEXT:
-                return await asyncio.to_thread(encode)
-            return encode()
-        except ChatTemplateError as e:
-            raise ApiError(400, str(e), param=param) from None
-        except Exception as e:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
-            raise ApiError(400, f"cannot tokenize: {e}", param=param) from None
-
-    def _render_chat(
-        self,
-        messages: list[api.ChatMessage],
-        add_generation_prompt: bool | None,
-        template_kwargs: dict[str, Any] | None = None,
-        tools: list[api.Tool] | None = None,
-    ) -> tuple[str, list[str]]:
-        """The chat prompt's text and the client's texts in it, in order (messages' contents
-        and their calls' arguments: kept plain text by ``_encode``)."""
-        dicts: list[dict[str, Any]] = []
-        contents: list[str] = []
-        for m in messages:
-            d: dict[str, Any] = {"role": m.role, "content": m.text()}
-            contents.append(d["content"])
-            if m.name is not None:
-                d["name"] = m.name
-            if m.tool_call_id is not None:
-                d["tool_call_id"] = m.tool_call_id
-            if m.tool_calls:
-                d["tool_calls"] = [
-                    {
-                        "id": c.id,
-                        "type": "function",
-                        "function": {"name": c.function.name, "arguments": c.function.arguments},
-                    }
-                    for c in m.tool_calls
-                ]
-                contents += [c.function.arguments for c in m.tool_calls]
-            dicts.append(d)
-        kwargs = dict(template_kwargs or {})
-        if tools:
-            if "tools" not in (self.tokenizer.chat_template or ""):
-                raise ApiError(
-                    400, "this model's chat template does not render tools", param="tools"
-                )
-            kwargs["tools"] = [msgspec.to_builtins(t) for t in tools]
-            for i, t in enumerate(kwargs["tools"]):
-                if self.tokenizer.spells_control(msgspec.json.encode(t).decode()):
-                    raise ApiError(
-                        400,
-                        f"tools[{i}] spells a control token of the tokenizer",
-                        param=f"tools[{i}]",
-                    )
-        try:
-            text = self.tokenizer.apply_chat_template(
-                dicts, add_generation_prompt is not False, **kwargs
-            )
-        except ChatTemplateError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        return text, contents
 
     def _decode(self, raw: bytes, type_: type[T]) -> T:
         body = api.decode(raw, type_)
@@ -396,7 +293,7 @@ class OpenAI:
                     400, str(e), param=e.param or param, code="context_length_exceeded"
                 ) from None
         stop_ids = frozenset(body.stop_token_ids or ())
-        self._check_ids(sorted(stop_ids), "stop_token_ids")
+        self.prompts.check_ids(sorted(stop_ids), "stop_token_ids")
         stops = body.stop_strings()
         grammar = await self._grammar(body, opened)
         queue: asyncio.Queue[Item] = asyncio.Queue()
