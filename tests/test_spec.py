@@ -378,8 +378,8 @@ def test_kern_bench_reports_the_acceptance_rate(served):
 
 
 def test_rows_under_hypercorn_come_from_kern_rows(tmp_path, monkeypatch):
-    from kern.app import Settings
     from kern.errors import UsageError
+    from kern.server.settings import Settings
 
     toml = tmp_path / "kern.toml"
     toml.write_text(f'[targets.t]\ncheckpoint = "{default_model_path()}"\nrows = [1, 4]\n')

@@ -422,3 +422,24 @@ def _eos_token_ids(path: Path, config: ModelConfig) -> list[int]:
                 raise CheckpointError(f"{file}: field 'eos_token_id' must hold token ids")
         ids.extend(values)
     return ids
+
+
+def sampling_defaults(checkpoint: Path) -> dict[str, float]:
+    """The sampling parameters a checkpoint's generation_config.json sets, by kern's names
+    (vLLM serves these as the defaults of a request that leaves them unset). A file that is
+    missing or unreadable sets none; values of the wrong type are left out."""
+    file = Path(checkpoint) / "generation_config.json"
+    try:
+        gen = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(gen, dict):
+        return {}
+    out: dict[str, float] = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = gen.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[name] = value
+    if gen.get("do_sample") is False:
+        out["temperature"] = 0.0  # the checkpoint decodes greedily by default
+    return out

@@ -16,7 +16,7 @@ Design notes
   hypercorn to stop, which closes idle connections at once. The process exits 0.
 * Binds loopback unless told otherwise: an API without a key must not face a network by default.
 * ``hypercorn kern.app:app`` serves the same app, configured from the environment
-  (``kern.app.Settings.from_env``), with hypercorn's own start-up and signal handling.
+  (``kern.server.settings.Settings.from_env``), with hypercorn's own start-up and signal handling.
 """
 
 from __future__ import annotations
@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     )
     target = choose_rows(target, name, args.rows, "--rows")
     config = check_target(target, serving=True)
-    from kern.app import App, Settings, api_key
+    from kern.app import App
+    from kern.server.settings import Settings, api_key
 
     key = api_key(args.api_key, args.api_key_file)
     if args.api_key is not None:

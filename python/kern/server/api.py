@@ -11,7 +11,7 @@ Design notes
   a validation message with `` - at `$.field` ``: that path is the ``param``; a missing field
   is named inside the message instead (``Object missing required field `model` ``).
 * Unknown request fields are accepted, as OpenAI accepts them, and named in a warning log
-  line (``App._decode``); every OpenAI field kern knows is implemented or refused by name
+  line (``OpenAI._decode``); every OpenAI field kern knows is implemented or refused by name
   (:data:`UNSUPPORTED`).
 * JSON nested deeper than :data:`MAX_JSON_DEPTH` is refused before it is parsed: msgspec
   recurses per level and skipping ~1,000 nested arrays in an unknown field raised
@@ -126,7 +126,7 @@ def _refuse_unsupported(struct: Any) -> None:
 class _Sampling(Struct, kw_only=True):
     """Parameters shared by completions and chat completions. Every optional field may be
     null, meaning unset: the checkpoint's generation_config.json default where it has one,
-    else OpenAI's (see :meth:`kern.app.App._sampling`)."""
+    else OpenAI's (see ``kern.server.openai.OpenAI._sampling``)."""
 
     model: str
     max_tokens: PositiveInt | None = None

@@ -19,15 +19,20 @@ Design notes
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import sys
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-__all__ = ["LEVELS", "RequestRecord", "StatsLine", "configure", "request_id"]
+if TYPE_CHECKING:
+    from kern.metrics import Metrics
+    from kern.server.responses import Run
+
+__all__ = ["LEVELS", "RECORD", "RequestRecord", "StatsLine", "configure", "request_id"]
 
 log = logging.getLogger("kern")
 
@@ -66,9 +71,8 @@ class RequestRecord:
     t0: float = field(default_factory=time.perf_counter)
     status: int | None = None
     error: str | None = None
-    # The app's run of a generation request: its sequences (kern.engine.request.Request) and
-    # choices; None for other routes.
-    run: Any = None
+    # The run of a generation request: its sequences and choices; None for other routes.
+    run: Run | None = None
     prompt: str | None = None
 
     def log(self) -> None:
@@ -100,10 +104,17 @@ class RequestRecord:
         log.log(level, "%s", " ".join(parts))
 
 
+# The current HTTP request's record: the app sets it (each ASGI request runs in its own task
+# and context), the handlers fill it.
+RECORD: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
+    "kern_request", default=None
+)
+
+
 class StatsLine:
     """Every ``interval`` seconds while there is work, one line from the app's metrics."""
 
-    def __init__(self, metrics: Any, interval: float) -> None:
+    def __init__(self, metrics: Metrics, interval: float) -> None:
         self.metrics = metrics
         self.interval = interval
 

@@ -1,0 +1,378 @@
+"""The OpenAI routes of a loaded model: a request body becomes token ids, ``SamplingParams``
+and scheduler ``Request``s, whose events a run (kern.server.responses) renders.
+
+The handlers are built once the model has loaded, from what was loaded (the scheduler, the
+tokenizer, the grammars and the model's facts), and never reach back into the app: the app
+reads the body and routes, the handlers answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
+
+from kern.engine.params import SamplingParams
+from kern.engine.request import LimitError, Request
+from kern.engine.scheduler import Scheduler
+from kern.engine.structured import Grammars, StructuredOutputError
+from kern.server import api
+from kern.server.api import ApiError
+from kern.server.http import Marker, Receive, Send, respond
+from kern.server.logs import RECORD
+from kern.server.prompts import Prompts
+from kern.server.responses import Abort, ChatRun, CompletionRun, Item, Run
+from kern.server.splitter import Splitter, opens_reasoning
+from kern.server.text import Choice
+from kern.tokenizer import Tokenizer
+
+__all__ = ["OpenAI"]
+
+log = logging.getLogger("kern")
+
+T = TypeVar("T")
+Body = api.CompletionRequest | api.ChatCompletionRequest
+
+
+class OpenAI:
+    """The handlers of ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+    ``/tokenize`` and ``/detokenize`` for one loaded model. Each takes the request's body (read
+    by the app) and answers on ``send``; a client's mistake raises ``ApiError``."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        grammars: Grammars,
+        *,
+        model_name: str,
+        vocab_size: int,
+        max_model_len: int,
+        sampling_defaults: dict[str, float],
+        reasoning: bool,
+        log_prompts: bool,
+        created: int,
+    ) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.grammars = grammars
+        self.model_name = model_name
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # The checkpoint's generation_config.json defaults (kern.checkpoint.sampling_defaults).
+        self.sampling_defaults = sampling_defaults
+        # The target's reasoning parser is on (kern.server.splitter).
+        self.reasoning = reasoning
+        # The first prompt's text goes into the request's log line.
+        self.log_prompts = log_prompts
+        self.created = created
+        self.prompts = Prompts(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len)
+        # The generations in flight: the server's drain ends them (shut_down).
+        self.runs: set[Run] = set()
+
+    def shut_down(self) -> None:
+        """End every open generation: streams end with ``abort``, whole answers get a 503."""
+        for run in list(self.runs):
+            run.shut_down()
+
+    # --- models and tokens ------------------------------------------------------------------
+
+    def _card(self) -> api.ModelCard:
+        return api.ModelCard(
+            self.model_name,
+            self.created,
+            max_model_len=self.max_model_len,
+            sampling_defaults=dict(self.sampling_defaults),
+        )
+
+    async def models(self, send: Send) -> None:
+        await respond(send, 200, api.encode(api.ModelList([self._card()])))
+
+    async def model(self, name: str, send: Send) -> None:
+        self._check_model(name)
+        await respond(send, 200, api.encode(self._card()))
+
+    async def tokenize(self, raw: bytes, send: Send) -> None:
+        body = api.decode(raw, api.TokenizeRequest)
+        self._check_model(body.model)
+        if body.messages is not None:
+            text, contents = self.prompts.render_chat(
+                body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
+            )
+            ids = await self.prompts.encode(text, "messages", contents=contents)
+        else:
+            assert body.prompt is not None
+            ids = await self.prompts.encode(
+                body.prompt, "prompt", add_special_tokens=bool(body.add_special_tokens)
+            )
+        out = api.TokenizeResponse(ids, len(ids), self.max_model_len)
+        await respond(send, 200, api.encode(out))
+
+    async def detokenize(self, raw: bytes, send: Send) -> None:
+        body = api.decode(raw, api.DetokenizeRequest)
+        self._check_model(body.model)
+        self.prompts.check_ids(body.tokens, "tokens")
+        out = api.DetokenizeResponse(self.tokenizer.decode(body.tokens))
+        await respond(send, 200, api.encode(out))
+
+    # --- generation -------------------------------------------------------------------------
+
+    async def completions(self, raw: bytes, receive: Receive, send: Send) -> None:
+        body = self._decode(raw, api.CompletionRequest)
+        self._check_model(body.model)
+        prompts: list[list[int]] = []
+        batch = body.prompts()
+        for i, prompt in enumerate(batch):
+            param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                prompts.append(await self.prompts.encode(prompt, param))
+            else:
+                self.prompts.check_ids(prompt, param)
+                prompts.append(list(prompt))
+        # OpenAI's default for completions is 16 tokens; null means the default.
+        limit = 16 if body.max_tokens is None else body.max_tokens
+        await self._generate(
+            body, prompts, limit, body.logprobs, receive, send, run=CompletionRun, split=None
+        )
+
+    async def chat(self, raw: bytes, receive: Receive, send: Send) -> None:
+        body = self._decode(raw, api.ChatCompletionRequest)
+        self._check_model(body.model)
+        text, contents = self.prompts.render_chat(
+            body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
+        )
+        prompt_ids = await self.prompts.encode(text, "messages", contents=contents)
+        limit = body.token_limit()
+        opened = self.reasoning and opens_reasoning(text)
+        tools = body.tool_choice_name() != "none"
+        split = None
+        if self.reasoning or tools:
+            split = partial(Splitter, reasoning=self.reasoning, tools=tools, prompt_opened=opened)
+        await self._generate(
+            body,
+            [prompt_ids],
+            limit,
+            body.num_logprobs(),
+            receive,
+            send,
+            run=ChatRun,
+            split=split,
+            opened=opened,
+        )
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404,
+                f"model {api.echo(model)} does not exist (this server serves "
+                f"{api.echo(self.model_name)})",
+                param="model",
+                type="invalid_request_error",
+                code="model_not_found",
+            )
+
+    def _decode(self, raw: bytes, type_: type[T]) -> T:
+        body = api.decode(raw, type_)
+        unknown = api.unknown_fields(raw, type_)
+        if unknown:
+            # Accepted, as OpenAI accepts them, but never silently: named in the log.
+            log.warning(
+                "request %s: ignoring unknown fields %s",
+                (record.id if (record := RECORD.get()) else "-"),
+                ", ".join(api.echo(k) for k in unknown[:20]),
+            )
+        return body
+
+    async def _grammar(self, body: Body, opened: bool) -> object | None:
+        """The compiled grammar of the request's response_format or tools, or None.
+        ``opened``: the prompt opened a reasoning block."""
+        think = ("must" if opened else "may") if self.reasoning else None
+        tools = isinstance(body, api.ChatCompletionRequest) and body.tool_choice_name() != "none"
+        fmt = body.response_format
+        if fmt is not None and fmt.get("type") != "text" and tools:
+            raise ApiError(
+                400,
+                "response_format cannot go with tools unless tool_choice is 'none'",
+                param="response_format",
+            )
+        try:
+            if tools:
+                assert isinstance(body, api.ChatCompletionRequest) and body.tools is not None
+                specs = [
+                    {"name": t.function.name, "parameters": t.function.parameters}
+                    for t in body.tools
+                ]
+                compiled = await asyncio.to_thread(
+                    self.grammars.compile_tools,
+                    specs,
+                    body.tool_choice_name(),
+                    body.parallel_tool_calls is not False,
+                    think,
+                )
+            elif fmt is None:
+                return None
+            else:
+                compiled = await asyncio.to_thread(self.grammars.compile, fmt, think)
+        except StructuredOutputError as e:
+            param = "tools" if tools else "response_format"
+            raise ApiError(400, f"{param}: {e}", param=param) from None
+        what = "tools" if tools else "a JSON response_format"
+        if compiled is not None and body.ignore_eos:
+            raise ApiError(
+                400,
+                f"ignore_eos cannot go with {what}: the grammar ends the answer",
+                param="ignore_eos",
+            )
+        if compiled is not None and body.min_tokens:
+            raise ApiError(
+                400,
+                f"min_tokens cannot go with {what}: the grammar decides where the answer ends",
+                param="min_tokens",
+            )
+        return compiled
+
+    def _sampling(self, body: Body, seed: int | None) -> SamplingParams:
+        """The request's sampling parameters: what it set, else the checkpoint's
+        generation_config.json default, else OpenAI's."""
+        d = self.sampling_defaults
+
+        def pick(name: str, default: float) -> float:
+            value = getattr(body, name)
+            return value if value is not None else d.get(name, default)
+
+        bias = tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items())
+        for token, _ in bias:
+            if token >= self.vocab_size:
+                raise ApiError(
+                    400,
+                    f"logit_bias: token id {token} is not below the vocabulary size "
+                    f"{self.vocab_size}",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+        return SamplingParams(
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=max(int(pick("top_k", 0)), 0),
+            min_p=pick("min_p", 0.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            logit_bias=bias,
+            seed=seed,
+        )
+
+    async def _generate(
+        self,
+        body: Body,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        num_logprobs: int | None,
+        receive: Receive,
+        send: Send,
+        *,
+        run: type[Run],
+        split: Callable[[], Splitter] | None,
+        opened: bool = False,
+    ) -> None:
+        """Check the limits, submit ``n`` sequences per prompt and answer with ``run``'s
+        rendering of their events; ``split`` makes each choice's splitter (chat), ``opened``:
+        the prompt opened a reasoning block."""
+        sched = self.scheduler
+        n = body.n or 1
+        for i, prompt_ids in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not prompt_ids:
+                raise ApiError(400, "the prompt encodes to no tokens", param=param)
+            limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
+            try:
+                sched.check(len(prompt_ids), limit)
+            except LimitError as e:
+                raise ApiError(
+                    400, str(e), param=e.param or param, code="context_length_exceeded"
+                ) from None
+        stop_ids = frozenset(body.stop_token_ids or ())
+        self.prompts.check_ids(sorted(stop_ids), "stop_token_ids")
+        stops = body.stop_strings()
+        grammar = await self._grammar(body, opened)
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        reqs = []
+        choices = []
+        for p, prompt_ids in enumerate(prompts):
+            limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
+            for j in range(n):
+                index = p * n + j
+                seed = body.seed
+                if seed is not None and n > 1:
+                    seed = (seed + j) % (1 << 63)
+                reqs.append(
+                    Request(
+                        prompt_ids,
+                        limit,
+                        self._sampling(body, seed),
+                        stop_ids=stop_ids,
+                        ignore_eos=bool(body.ignore_eos),
+                        num_logprobs=num_logprobs,
+                        min_tokens=body.min_tokens or 0,
+                        grammar=None if grammar is None else self.grammars.matcher(grammar),
+                        sink=queue,
+                        index=index,
+                        counts_prompt=j == 0,
+                    )
+                )
+                choices.append(
+                    Choice(
+                        index,
+                        self.tokenizer.stream(skip_special_tokens=True),
+                        stops,
+                        max((len(s) for s in stops), default=1) - 1,
+                        include_stop=bool(body.include_stop_str_in_output),
+                        split=None if split is None else split(),
+                    )
+                )
+        rendering = run(
+            body,
+            prompts,
+            n,
+            reqs,
+            choices,
+            queue,
+            model_name=self.model_name,
+            tokenizer=self.tokenizer,
+            abort=sched.abort,
+        )
+        record = RECORD.get()
+        if record is not None:
+            record.run = rendering
+            if self.log_prompts:
+                record.prompt = self.tokenizer.decode(prompts[0])
+        for r in reqs:
+            sched.submit(r)
+        self.runs.add(rendering)
+        watcher = asyncio.create_task(_watch(receive, reqs, queue, sched.abort))
+        try:
+            if body.stream:
+                await rendering.stream(send)
+            else:
+                await rendering.collect(send)
+        finally:
+            self.runs.discard(rendering)
+            watcher.cancel()
+            for r in reqs:
+                if r.finish_reason is None:
+                    sched.abort(r)
+
+
+async def _watch(
+    receive: Receive, reqs: list[Request], queue: asyncio.Queue[Item], abort: Abort
+) -> None:
+    """Abort ``reqs`` when the client hangs up (the only way to learn it under ASGI 2.1)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            for r in reqs:
+                abort(r, "abort")
+            queue.put_nowait(Marker.HANGUP)
+            return

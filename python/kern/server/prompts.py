@@ -1,0 +1,128 @@
+"""A request's prompt as token ids: a text, or chat messages rendered through the checkpoint's
+template (the client's texts in it kept plain), refused before tokenizing when it cannot fit
+the context; and ids a client sends, checked against the vocabulary."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+
+from kern.server import api
+from kern.server.api import ApiError
+from kern.tokenizer import ChatTemplateError, Tokenizer
+
+__all__ = ["Prompts"]
+
+# Characters above which a prompt is tokenized on a worker thread.
+_THREAD_TEXT = 16_384
+
+
+class Prompts:
+    """Prompts for one tokenizer and model; every refusal is an ``ApiError`` naming ``param``."""
+
+    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        for i, t in enumerate(ids):
+            if t >= self.vocab_size:
+                raise ApiError(
+                    400,
+                    f"token id {t} is not below the vocabulary size {self.vocab_size}",
+                    param=f"{param}[{i}]",
+                    code="invalid_value",
+                )
+
+    async def encode(
+        self,
+        text: str,
+        param: str,
+        *,
+        add_special_tokens: bool = False,
+        contents: list[str] | None = None,
+    ) -> list[int]:
+        """Token ids of a prompt's text (a rendered chat prompt with its messages' ``contents``:
+        their added-token text stays plain). Refuses, before tokenizing, a text too long to
+        fit the context whatever it encodes to; tokenizes a long one on a worker thread, so
+        the event loop keeps serving everyone else meanwhile."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        # No token covers more than max_token_bytes bytes of normalized text, and NFC at
+        # most shrinks text threefold (decomposed Hangul): 4x that is a safe lower bound.
+        least = size // (4 * self.tokenizer.max_token_bytes)
+        if least > self.max_model_len:
+            raise ApiError(
+                400,
+                f"the prompt is {size} bytes, at least {least} tokens: over the model's "
+                f"context of {self.max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+        def encode() -> list[int]:
+            if contents is not None:
+                return self.tokenizer.encode_chat(text, contents)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        try:
+            if len(text) > _THREAD_TEXT:
+                return await asyncio.to_thread(encode)
+            return encode()
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param=param) from None
+        except Exception as e:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
+            raise ApiError(400, f"cannot tokenize: {e}", param=param) from None
+
+    def render_chat(
+        self,
+        messages: list[api.ChatMessage],
+        add_generation_prompt: bool | None,
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[api.Tool] | None = None,
+    ) -> tuple[str, list[str]]:
+        """The chat prompt's text and the client's texts in it, in order (messages' contents
+        and their calls' arguments: kept plain text by :meth:`encode`)."""
+        dicts: list[dict[str, Any]] = []
+        contents: list[str] = []
+        for m in messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            contents.append(d["content"])
+            if m.name is not None:
+                d["name"] = m.name
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.function.name, "arguments": c.function.arguments},
+                    }
+                    for c in m.tool_calls
+                ]
+                contents += [c.function.arguments for c in m.tool_calls]
+            dicts.append(d)
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            if "tools" not in (self.tokenizer.chat_template or ""):
+                raise ApiError(
+                    400, "this model's chat template does not render tools", param="tools"
+                )
+            kwargs["tools"] = [msgspec.to_builtins(t) for t in tools]
+            for i, t in enumerate(kwargs["tools"]):
+                if self.tokenizer.spells_control(msgspec.json.encode(t).decode()):
+                    raise ApiError(
+                        400,
+                        f"tools[{i}] spells a control token of the tokenizer",
+                        param=f"tools[{i}]",
+                    )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                dicts, add_generation_prompt is not False, **kwargs
+            )
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        return text, contents
