@@ -37,18 +37,23 @@ import asyncio
 import json
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-__all__ = ["add_parser"]
+import kern.cli.args as argtypes
+from kern.errors import UsageError
+from kern.kern_toml import Target
+from kern.pool import PoolFull
+
+__all__ = ["add_parser", "run"]
 
 # Token ids the prompts draw from: byte tokens exist in every kern tokenizer.
 _VOCAB_HI = 256
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from kern.cli import _positive_int
-
     p = sub.add_parser(
         "bench",
         help="load a running server and print a summary table",
@@ -58,24 +63,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument(
         "--concurrency",
-        type=_levels,
+        type=argtypes.level_list,
         default=[1, 12, 64],
         metavar="N,N,...",
         help="requests in flight at most, one run per level (default 1,12,64)",
     )
-    p.add_argument("--requests", type=_positive_int, default=64, help="requests per level")
-    p.add_argument("--prompt-tokens", type=_positive_int, default=64, metavar="N")
-    p.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N")
+    p.add_argument("--requests", type=argtypes.positive_int, default=64, help="requests per level")
+    p.add_argument("--prompt-tokens", type=argtypes.positive_int, default=64, metavar="N")
+    p.add_argument("--max-tokens", type=argtypes.positive_int, default=64, metavar="N")
     p.add_argument(
         "--shared-prefix",
-        type=_count,
+        type=argtypes.count,
         default=32,
         metavar="N",
         help="tokens every prompt starts with (at most --prompt-tokens; default 32)",
     )
     p.add_argument(
         "--request-rate",
-        type=_rate,
+        type=argtypes.rate,
         default=float("inf"),
         metavar="R",
         help="Poisson arrivals at R requests/s (default: all at once)",
@@ -83,39 +88,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="Bearer key")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline-model", metavar="DIR", help="also time the runner's decode")
-    p.add_argument("--threads", type=_positive_int, default=2, help="baseline torch threads")
+    p.add_argument(
+        "--threads", type=argtypes.positive_int, default=2, help="baseline torch threads"
+    )
     p.add_argument("--json", action="store_true", help="print the table as JSON too")
     p.set_defaults(func=run)
-
-
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected e.g. 1,12,64") from None
-    if any(n < 1 for n in levels):
-        raise argparse.ArgumentTypeError(f"{text!r}: every level must be at least 1")
-    return levels
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the rate must be above 0")
-    return value
 
 
 @dataclass
@@ -132,8 +109,6 @@ class _Result:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kern.errors import UsageError
-
     if args.shared_prefix > args.prompt_tokens:
         raise UsageError(
             f"--shared-prefix {args.shared_prefix} is longer than --prompt-tokens "
@@ -166,8 +141,6 @@ def run(args: argparse.Namespace) -> int:
 def _probe(args: argparse.Namespace) -> str:
     """The served model's id; a server that does not answer is one line (exit 2)."""
     import httpx
-
-    from kern.errors import UsageError
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
@@ -363,8 +336,6 @@ def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) 
     back to it after."""
     import numpy as np
 
-    from kern.pool import PoolFull
-
     runner, cache = engine.runner, engine.cache
     pt = runner.page_tokens
     per_seq = -(-(args.prompt_tokens + args.max_tokens) // pt)
@@ -372,8 +343,6 @@ def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) 
         pages = np.frombuffer(cache.alloc_pages(batch * per_seq), np.uint32).tolist()
         slots = [cache.alloc_slot() for _ in range(batch)] if runner.stateful else [None] * batch
     except PoolFull:
-        from kern.errors import UsageError
-
         raise UsageError(
             f"--baseline-model: the default pool is too small for --concurrency {batch}"
         ) from None
@@ -415,12 +384,8 @@ def _baselines(
     HTTP, at most ``level`` in flight, a new request submitted as one finishes, levels in
     order on one cache as the server sees them). Both on the scheduler's thread, which also
     loads the model, as in the server (see ``kern.engine.scheduler.start_scheduler``)."""
-    import threading
-    from pathlib import Path
-
     from kern.engine.load import Engine
     from kern.engine.scheduler import Request, Scheduler, start_scheduler
-    from kern.kern_toml import Target
 
     target = Target(
         name="baseline", checkpoint=Path(args.baseline_model).resolve(), threads=args.threads
