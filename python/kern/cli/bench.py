@@ -4,11 +4,7 @@ Design notes
 ------------
 * Each request is a streamed completion (greedy, ``ignore_eos``, a fixed ``max_tokens``) so
   every request produces the same number of tokens, and the latencies are measured at the
-  client, where a user sees them, with ``vllm bench serve``'s definitions: TTFT from sending
-  to the first token; TPOT the mean gap after the first token, per request; ITL every gap
-  between two streamed events (one token each; events that arrive in one write have gaps
-  near 0, as a client sees them); E2EL sending to the last byte. Each is reported as mean,
-  median and p99 (numpy's linear percentile).
+  client, where a user sees them (their definitions and the summary: kern.cli.bench_report).
 * A request that fails (an HTTP error, a dropped connection, a stream without its usage) is a
   failed row of the summary with its first error, never the end of the run. A server that
   does not answer at all is one line before any load.
@@ -39,10 +35,10 @@ import random
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import kern.cli.args as argtypes
+from kern.cli.bench_report import Result, level_row, print_block, print_table
 from kern.errors import UsageError
 from kern.kern_toml import Target
 from kern.pool import PoolFull
@@ -95,19 +91,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-@dataclass
-class _Result:
-    ok: bool
-    error: str | None = None
-    ttft: float = 0.0
-    tpot: float | None = None
-    itl: list[float] = field(default_factory=list)
-    e2el: float = 0.0
-    tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-
-
 def run(args: argparse.Namespace) -> int:
     if args.shared_prefix > args.prompt_tokens:
         raise UsageError(
@@ -131,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
             row["ratio"] = row["output_tok_s"] / runner[level]
             row["sched_ratio"] = sched[level] / runner[level]
     for row in rows:
-        _print_block(row)
-    _print_table(rows)
+        print_block(row)
+    print_table(rows)
     if args.json:
         print(json.dumps(rows))
     return 0
@@ -193,7 +176,7 @@ async def _bench(
             before = await _spec_counts(client)
             t0 = time.perf_counter()
 
-            async def one(prompt: list[int], at: float, sem=sem, bar=bar, t0=t0) -> _Result:
+            async def one(prompt: list[int], at: float, sem=sem, bar=bar, t0=t0) -> Result:
                 delay = t0 + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -207,7 +190,7 @@ async def _bench(
             )
             wall = time.perf_counter() - t0
             bar.close()
-            row = _row(level, results, wall)
+            row = level_row(level, results, wall)
             after = await _spec_counts(client)
             drafted, accepted = (a - b for a, b in zip(after, before, strict=True))
             row["draft_tokens"] = drafted
@@ -238,7 +221,7 @@ _SPEC_COUNTERS = (
 )
 
 
-async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Result:
+async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Result:
     """One streamed request, timed; any failure is a failed result naming it."""
     import httpx
 
@@ -262,7 +245,7 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Resul
                     message = json.loads(text)["error"]["message"]
                 except (ValueError, KeyError, TypeError):
                     message = text[:200]
-                return _Result(False, f"HTTP {resp.status_code}: {message}")
+                return Result(False, f"HTTP {resp.status_code}: {message}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -272,12 +255,12 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Resul
                 if event["choices"]:
                     times.append(time.perf_counter())
     except (httpx.HTTPError, ValueError, KeyError) as e:
-        return _Result(False, f"{type(e).__name__}: {e}")
+        return Result(False, f"{type(e).__name__}: {e}")
     end = time.perf_counter()
     if usage is None or not times:
-        return _Result(False, "the stream ended without tokens and usage")
+        return Result(False, "the stream ended without tokens and usage")
     n = usage["completion_tokens"]
-    return _Result(
+    return Result(
         True,
         ttft=times[0] - t0,
         tpot=(times[-1] - times[0]) / (n - 1) if n > 1 else None,
@@ -287,45 +270,6 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Resul
         prompt_tokens=usage["prompt_tokens"],
         cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
     )
-
-
-def _stats(values: list[float], name: str) -> dict[str, float | None]:
-    """mean, median and p99 in ms (None without values: JSON has no NaN)."""
-    import numpy as np
-
-    if not values:
-        return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
-    a = np.asarray(values) * 1e3
-    return {
-        f"mean_{name}_ms": float(a.mean()),
-        f"median_{name}_ms": float(np.median(a)),
-        f"p99_{name}_ms": float(np.percentile(a, 99)),
-    }
-
-
-def _row(level: int, results: list[_Result], wall: float) -> dict:
-    ok = [r for r in results if r.ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
-    return {
-        "concurrency": level,
-        "requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": errors,
-        "duration_s": wall,
-        "input_tokens": sum(r.prompt_tokens for r in ok),
-        "output_tokens": sum(r.tokens for r in ok),
-        "req_s": len(ok) / wall,
-        "output_tok_s": sum(r.tokens for r in ok) / wall,
-        **_stats([r.ttft for r in ok], "ttft"),
-        **_stats([r.tpot for r in ok if r.tpot is not None], "tpot"),
-        **_stats([g for r in ok for g in r.itl], "itl"),
-        **_stats([r.e2el for r in ok], "e2el"),
-        "cached_ratio": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
-    }
 
 
 def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) -> float:
@@ -438,68 +382,3 @@ def _baselines(
     if sched.failed is not None:
         raise RuntimeError("the scheduler failed") from sched.failed
     return runner_rates, rates
-
-
-def _print_block(row: dict) -> None:
-    """One level's summary, laid out as ``vllm bench serve`` prints it."""
-    w = 50
-    print(f" Concurrency {row['concurrency']} ".center(w, "="))
-    lines = [
-        ("Successful requests:", f"{row['completed']}"),
-        ("Failed requests:", f"{row['failed']}"),
-        ("Benchmark duration (s):", f"{row['duration_s']:.2f}"),
-        ("Total input tokens:", f"{row['input_tokens']}"),
-        ("Total generated tokens:", f"{row['output_tokens']}"),
-        ("Request throughput (req/s):", f"{row['req_s']:.2f}"),
-        ("Output token throughput (tok/s):", f"{row['output_tok_s']:.2f}"),
-        ("Prompt tokens from the cache:", f"{row['cached_ratio']:.2%}"),
-        ("Draft tokens (accepted):", f"{row['draft_tokens']:.0f} ({row['accepted_tokens']:.0f})"),
-        ("Draft acceptance rate:", _fmt("{:.2%}", row["acceptance"])),
-    ]
-    for label, value in lines:
-        print(f"{label:<40}{value:>10}")
-    for error, count in row["errors"].items():
-        print(f"  failed x{count}: {error}")
-    for key, title in (
-        ("ttft", "Time to First Token"),
-        ("tpot", "Time per Output Token (excl. 1st token)"),
-        ("itl", "Inter-token Latency"),
-        ("e2el", "End-to-end Latency"),
-    ):
-        print(title.center(w, "-"))
-        name = key.upper()
-        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
-            print(f"{f'{label} {name} (ms):':<40}{_fmt('{:.2f}', row[f'{stat}_{key}_ms']):>10}")
-    print("=" * w)
-
-
-def _print_table(rows: list[dict]) -> None:
-    cols = [
-        ("concurrency", "conc", "{:d}"),
-        ("completed", "ok", "{:d}"),
-        ("failed", "failed", "{:d}"),
-        ("req_s", "req/s", "{:.2f}"),
-        ("output_tok_s", "out tok/s", "{:.1f}"),
-        ("median_ttft_ms", "TTFT p50 ms", "{:.1f}"),
-        ("p99_ttft_ms", "TTFT p99 ms", "{:.1f}"),
-        ("median_tpot_ms", "TPOT p50 ms", "{:.2f}"),
-        ("p99_itl_ms", "ITL p99 ms", "{:.2f}"),
-        ("median_e2el_ms", "E2EL p50 ms", "{:.1f}"),
-        ("cached_ratio", "cached", "{:.2f}"),
-        ("acceptance", "accept", "{:.2f}"),
-    ]
-    if rows and "runner_tok_s" in rows[0]:
-        cols += [
-            ("runner_tok_s", "runner tok/s", "{:.1f}"),
-            ("sched_tok_s", "scheduler tok/s", "{:.1f}"),
-            ("sched_ratio", "scheduler/runner", "{:.2f}"),
-            ("ratio", "server/runner", "{:.2f}"),
-        ]
-    print("| " + " | ".join(h for _, h, _ in cols) + " |")
-    print("|" + "|".join(" ---: " for _ in cols) + "|")
-    for row in rows:
-        print("| " + " | ".join(_fmt(f, row[k]) for k, _, f in cols) + " |")
-
-
-def _fmt(spec: str, value: float | None) -> str:
-    return "-" if value is None else spec.format(value)
