@@ -4,7 +4,7 @@ serve :class:`kern.app.App` with hypercorn until SIGTERM or SIGINT.
 Design notes
 ------------
 * In that order, so that every mistake shows before a minute of loading: the flags and the
-  target are checked first (``kern.targets``, the check ``kern run`` uses; no weights read),
+  target are checked first (:func:`kern.targets.select`, as ``kern run`` selects; no weights read),
   then the port is bound (a port in use is an error at once, as in vLLM, not after the load),
   then the model loads (a progress bar on a terminal), then one start-up line, then hypercorn
   serves the bound socket (handed over as ``fd://``). A mistake is one line and exit 2.
@@ -29,12 +29,17 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import kern.cli.args as argtypes
 from kern.errors import UsageError
-from kern.kern_toml import DEFAULT_THREADS, REASONING_PARSERS
+from kern.kern_toml import DEFAULT_THREADS, REASONING_PARSERS, Target
 from kern.server import logs
 from kern.targets import FLAGS, select
+
+if TYPE_CHECKING:
+    from kern.app import App
+    from kern.engine.load import Engine
 
 __all__ = ["add_parser", "run"]
 
@@ -198,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-def _summary(target, family: str, engine, app, sock: socket.socket) -> str:
+def _summary(target: Target, family: str, engine: Engine, app: App, sock: socket.socket) -> str:
     from kern import __version__
 
     stats = engine.cache.stats()
@@ -220,7 +225,7 @@ def _summary(target, family: str, engine, app, sock: socket.socket) -> str:
     )
 
 
-def _rows(target) -> str:
+def _rows(target: Target) -> str:
     rows = target.decode_rows
     if rows == 1:
         return "rows 1"
@@ -232,7 +237,7 @@ def _rows(target) -> str:
     )
 
 
-def _serve(app, sock: socket.socket, args: argparse.Namespace, summary: str) -> None:
+def _serve(app: App, sock: socket.socket, args: argparse.Namespace, summary: str) -> None:
     import asyncio
 
     from hypercorn.asyncio import serve
