@@ -392,3 +392,17 @@ def test_make_tiny_refuses_a_non_empty_dir(tmp_path, capsys):
     assert "not empty" in fail(capsys, "make-tiny", "qwen3", str(tmp_path))
     assert cli.main(["make-tiny", "qwen3", str(tmp_path), "--force", "--layers", "1"]) == 0
     assert load_checkpoint(tmp_path).config.num_hidden_layers == 1
+
+
+def test_rows_are_named_before_the_target_check(tmp_path, capsys):
+    """kern run and kern serve select a target in one order (kern.targets.select): with a
+    --rows the target does not declare and a dtype its backend does not run, the rows first."""
+    toml = tmp_path / "kern.toml"
+    toml.write_text('[targets.h]\ncheckpoint = "x"\ndtype = "bfloat16"\n')
+    where = ["--config", str(toml), "--target", "h", "--rows", "2"]
+    err = fail(capsys, "run", "--prompt", "a", "--steps", "1", *where)
+    assert "--rows 2: target 'h' declares rows [1]" in err and "bfloat16" not in err
+    # A subprocess: kern serve configures the process's logging.
+    out = kern("serve", *where)
+    assert out.returncode == 2 and "--rows 2: target 'h' declares rows [1]" in out.stderr
+    assert "bfloat16" not in out.stderr
