@@ -117,33 +117,11 @@ def run(args: argparse.Namespace) -> int:
 
     ranks, ckpt = _load(target)
     draft = load_draft(target) if rows > 1 else None
-    from kern.engine.generate import generate
-
     prompt_ids = _prompt_ids(args, ckpt)
     probe_steps = None
     if args.probe_dir is not None:
         probe_steps = args.probe_steps if args.probe_steps is not None else list(range(args.steps))
-
-    runner = None
-    if ranks is not None:
-        total = len(prompt_ids) + args.steps + rows  # as generate sizes its own pages
-        runner = ranks.runner_with_pages(ckpt, -(-total // target.page_tokens))
-    result = generate(
-        ckpt,
-        prompt_ids,
-        args.steps,
-        runner=runner,
-        rows=rows,
-        sampling=sampling,
-        probe_steps=probe_steps,
-        probe_k=args.probe_k,
-        page_tokens=target.page_tokens,
-        threads=target.threads,
-        device=target.device,
-        draft=draft,
-    )
-    if ranks is not None:
-        ranks.close()
+    result = _generate(args, target, ranks, ckpt, draft, prompt_ids, sampling, probe_steps)
     answer = _cut_at_eos(result.ids, ckpt.tokenizer, args.ignore_eos)
     probe_files: list[str] = []
     if args.probe_dir is not None and probe_steps is not None:
@@ -226,6 +204,44 @@ def _prompt_ids(args: argparse.Namespace, ckpt: Checkpoint) -> list[int]:
     if bad:
         raise UsageError(f"--prompt-ids: id {bad[0]} is not below vocab_size {vocab}")
     return args.prompt_ids
+
+
+def _generate(
+    args: argparse.Namespace,
+    target: Target,
+    ranks: Ranks | None,
+    ckpt: Checkpoint,
+    draft: Checkpoint | None,
+    prompt_ids: list[int],
+    sampling: SamplingParams | None,
+    probe_steps: list[int] | None,
+) -> GenerateResult:
+    """Generate --steps tokens, on the ranks' runner when the target splits over several
+    (closed after)."""
+    from kern.engine.generate import generate
+
+    rows = target.decode_rows
+    runner = None
+    if ranks is not None:
+        total = len(prompt_ids) + args.steps + rows  # as generate sizes its own pages
+        runner = ranks.runner_with_pages(ckpt, -(-total // target.page_tokens))
+    result = generate(
+        ckpt,
+        prompt_ids,
+        args.steps,
+        runner=runner,
+        rows=rows,
+        sampling=sampling,
+        probe_steps=probe_steps,
+        probe_k=args.probe_k,
+        page_tokens=target.page_tokens,
+        threads=target.threads,
+        device=target.device,
+        draft=draft,
+    )
+    if ranks is not None:
+        ranks.close()
+    return result
 
 
 def _cut_at_eos(generated: list[int], tok: Tokenizer, ignore_eos: bool) -> _Answer:
