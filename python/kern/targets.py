@@ -81,17 +81,19 @@ def select(
     rows: int | None = None,
     rows_flag: str = "--rows",
     served_name: str | None = None,
+    serving: bool,
 ) -> Selection:
     """The target a command runs, decoding at ``rows`` (None: its widest), checked: what
     :func:`resolve_target`, :func:`choose_rows` and :func:`check_target` say, in that order.
-    ``rows_flag`` names where ``rows`` came from in an error (``--rows``, ``KERN_ROWS``).
+    ``rows_flag`` names where ``rows`` came from in an error (``--rows``, ``KERN_ROWS``);
+    ``serving`` is passed on to :func:`check_target`.
     Raises :class:`UsageError`, ``TomlConfigError`` and ``CheckpointError``; reads no
     weights."""
     resolved, name = resolve_target(
         config=config, target=target, model=model, overrides=overrides, served_name=served_name
     )
     resolved = choose_rows(resolved, name, rows, rows_flag)
-    return Selection(resolved, name, check_target(resolved))
+    return Selection(resolved, name, check_target(resolved, serving=serving))
 
 
 def resolve_target(
@@ -171,7 +173,7 @@ def choose_rows(target: Target, name: str | None, rows: int | None, flag: str) -
     return dataclasses.replace(target, rows=declared, chosen_rows=rows, origin=origin)
 
 
-def check_target(target: Target) -> ModelConfig:
+def check_target(target: Target, *, serving: bool) -> ModelConfig:
     """Refuse what kern cannot run here (see the design notes); return the checkpoint's
     config. Raises :class:`UsageError` naming the key's file or flag, and
     ``CheckpointError`` for a missing or unreadable checkpoint."""

@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         overrides={key: getattr(args, key) for key in FLAGS},
         rows=args.rows,
         served_name=args.served_model_name,
+        serving=True,
     )
     target = selection.target
     # The app imports the engine and torch: only once the target is known to be runnable.

@@ -50,6 +50,7 @@ def select_target(args: argparse.Namespace, rows: int | None = None) -> Selectio
         model=args.model,
         overrides={"threads": args.threads, "ranks": args.ranks},
         rows=rows,
+        serving=False,
     )
 
 
