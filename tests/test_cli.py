@@ -14,6 +14,8 @@ import torch
 
 from kern import cli
 from kern.checkpoint import load_checkpoint
+from kern.cli import selfcheck
+from kern.probe import probe_ulps, read_probe
 from kern.tiny import default_model_path, make_tiny
 
 
@@ -98,7 +100,7 @@ def test_probe_files(tmp_path, capsys):
     )
     assert sorted(p.name for p in probe_dir.iterdir()) == ["first.json", "fourth.json"]
     assert result["probe_files"] == [str(probe_dir / "first.json"), str(probe_dir / "fourth.json")]
-    probe = cli.read_probe(probe_dir / "fourth.json")
+    probe = read_probe(probe_dir / "fourth.json")
     assert probe["step"] == 3 and probe["label"] == "fourth" and probe["position"] == 4 + 3 - 1
     assert probe["rows"] == 1 and probe["threads"] == 2
     assert len(probe["ids"]) == len(probe["logits_f32_bits"]) == 8
@@ -107,7 +109,7 @@ def test_probe_files(tmp_path, capsys):
     assert probe["logits"] == sorted(probe["logits"], reverse=True)
     raw = json.loads((probe_dir / "fourth.json").read_text())
     assert raw["logits"] == probe["logits"]  # the decimal copy is the exact float32 value
-    assert cli.probe_ulps(probe["by_id"][probe["ids"][0]], probe["by_id"][probe["ids"][0]]) == 0
+    assert probe_ulps(probe["by_id"][probe["ids"][0]], probe["by_id"][probe["ids"][0]]) == 0
 
 
 def test_probe_every_step_by_default(tmp_path, capsys):
@@ -117,9 +119,9 @@ def test_probe_every_step_by_default(tmp_path, capsys):
 
 def test_probe_ulps():
     one = 0x3F800000  # 1.0f
-    assert cli.probe_ulps(one, one + 4) == 4
-    assert cli.probe_ulps(0x00000000, 0x80000000) == 0  # +0 and -0
-    assert cli.probe_ulps(0x00000001, 0x80000001) == 2  # across zero
+    assert probe_ulps(one, one + 4) == 4
+    assert probe_ulps(0x00000000, 0x80000000) == 0  # +0 and -0
+    assert probe_ulps(0x00000001, 0x80000001) == 2  # across zero
 
 
 def test_config_target(tmp_path, capsys):
@@ -235,22 +237,22 @@ def _result(ids, tops):
 
 def test_kern_test_compares_the_runner_with_the_reference():
     ref = _result([0, 0, 1], [[3.0, 1.0], [2.0, 1.0], [2.0, 1.99999]])
-    same = cli._against_reference(
+    same = selfcheck._against_reference(
         "t", _result([0, 0, 1], [[3.0, 1.0], [2.0, 1.0], [2.0, 1.99999]]), ref, 1e-4
     )
     assert same.ok and "3 tokens equal; max |logit diff| 0" in same.detail
-    drift = cli._against_reference(
+    drift = selfcheck._against_reference(
         "t", _result([0, 0, 1], [[3.0, 1.0], [2.001, 1.0], [2.0, 1.99999]]), ref, 1e-4
     )
     assert not drift.ok and "max |logit diff| 0.001" in drift.detail
     # step 2: the runner picks 0, which the reference has 1e-5 under its top: a near tie
-    tie = cli._against_reference(
+    tie = selfcheck._against_reference(
         "t", _result([0, 0, 0], [[3.0, 1.0], [2.0, 1.0], [2.0, 1.9]]), ref, 1e-4
     )
     assert (
         tie.ok and "step 2: runner chose 0, reference 1" in tie.detail and "near tie" in tie.detail
     )
-    far = cli._against_reference(
+    far = selfcheck._against_reference(
         "t", _result([1, 0, 1], [[3.0, 1.0], [2.0, 1.0], [2.0, 1.9]]), ref, 1e-4
     )
     assert (
@@ -390,3 +392,17 @@ def test_make_tiny_refuses_a_non_empty_dir(tmp_path, capsys):
     assert "not empty" in fail(capsys, "make-tiny", "qwen3", str(tmp_path))
     assert cli.main(["make-tiny", "qwen3", str(tmp_path), "--force", "--layers", "1"]) == 0
     assert load_checkpoint(tmp_path).config.num_hidden_layers == 1
+
+
+def test_rows_are_named_before_the_target_check(tmp_path, capsys):
+    """kern run and kern serve select a target in one order (kern.engine.targets.select): with a
+    --rows the target does not declare and a dtype its backend does not run, the rows first."""
+    toml = tmp_path / "kern.toml"
+    toml.write_text('[targets.h]\ncheckpoint = "x"\ndtype = "bfloat16"\n')
+    where = ["--config", str(toml), "--target", "h", "--rows", "2"]
+    err = fail(capsys, "run", "--prompt", "a", "--steps", "1", *where)
+    assert "--rows 2: target 'h' declares rows [1]" in err and "bfloat16" not in err
+    # A subprocess: kern serve configures the process's logging.
+    out = kern("serve", *where)
+    assert out.returncode == 2 and "--rows 2: target 'h' declares rows [1]" in out.stderr
+    assert "bfloat16" not in out.stderr

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from kern.checkpoint import load_checkpoint
-from kern.cli import probe_ulps
 from kern.engine.generate import generate
+from kern.probe import probe_ulps
 from kern.tiny import default_model_path
 
 KEY = "test-key"

@@ -21,7 +21,7 @@ misspelt ``page_token = 32`` silently ignored would serve with 16 and nobody wou
 module parses; whether a command can run what a target asks (a draft checkpoint of the same
 tokenizer whose KV fits the target's pages, kern.engine.draft; ``ranks`` and ``parallel`` split
 only what kern implements) is
-:func:`kern.targets.check_target`'s call. A step at rows R verifies the last token and R - 1
+:func:`kern.engine.targets.check_target`'s call. A step at rows R verifies the last token and R - 1
 drafts, so ``rows`` also says how many tokens to draft; ``draft`` without a row shape above 1
 would draft nothing, and is an error.
 """

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kern.cli import probe_ulps, read_probe
 from kern.kern_toml import Target
+from kern.probe import probe_ulps, read_probe
 
 __all__ = [
     "MAX_ULPS",

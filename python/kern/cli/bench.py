@@ -4,11 +4,7 @@ Design notes
 ------------
 * Each request is a streamed completion (greedy, ``ignore_eos``, a fixed ``max_tokens``) so
   every request produces the same number of tokens, and the latencies are measured at the
-  client, where a user sees them, with ``vllm bench serve``'s definitions: TTFT from sending
-  to the first token; TPOT the mean gap after the first token, per request; ITL every gap
-  between two streamed events (one token each; events that arrive in one write have gaps
-  near 0, as a client sees them); E2EL sending to the last byte. Each is reported as mean,
-  median and p99 (numpy's linear percentile).
+  client, where a user sees them (their definitions and the summary: kern.cli.bench_report).
 * A request that fails (an HTTP error, a dropped connection, a stream without its usage) is a
   failed row of the summary with its first error, never the end of the run. A server that
   does not answer at all is one line before any load.
@@ -37,18 +33,23 @@ import asyncio
 import json
 import random
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 
-__all__ = ["add_parser"]
+import kern.cli.args as argtypes
+from kern.cli.bench_report import Result, level_row, print_block, print_table
+from kern.errors import UsageError
+from kern.kern_toml import Target
+from kern.pool import PoolFull
+
+__all__ = ["add_parser", "run"]
 
 # Token ids the prompts draw from: byte tokens exist in every kern tokenizer.
 _VOCAB_HI = 256
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from kern.cli import _positive_int
-
     p = sub.add_parser(
         "bench",
         help="load a running server and print a summary table",
@@ -58,24 +59,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument(
         "--concurrency",
-        type=_levels,
+        type=argtypes.level_list,
         default=[1, 12, 64],
         metavar="N,N,...",
         help="requests in flight at most, one run per level (default 1,12,64)",
     )
-    p.add_argument("--requests", type=_positive_int, default=64, help="requests per level")
-    p.add_argument("--prompt-tokens", type=_positive_int, default=64, metavar="N")
-    p.add_argument("--max-tokens", type=_positive_int, default=64, metavar="N")
+    p.add_argument("--requests", type=argtypes.positive_int, default=64, help="requests per level")
+    p.add_argument("--prompt-tokens", type=argtypes.positive_int, default=64, metavar="N")
+    p.add_argument("--max-tokens", type=argtypes.positive_int, default=64, metavar="N")
     p.add_argument(
         "--shared-prefix",
-        type=_count,
+        type=argtypes.count,
         default=32,
         metavar="N",
         help="tokens every prompt starts with (at most --prompt-tokens; default 32)",
     )
     p.add_argument(
         "--request-rate",
-        type=_rate,
+        type=argtypes.rate,
         default=float("inf"),
         metavar="R",
         help="Poisson arrivals at R requests/s (default: all at once)",
@@ -83,57 +84,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="Bearer key")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline-model", metavar="DIR", help="also time the runner's decode")
-    p.add_argument("--threads", type=_positive_int, default=2, help="baseline torch threads")
+    p.add_argument(
+        "--threads", type=argtypes.positive_int, default=2, help="baseline torch threads"
+    )
     p.add_argument("--json", action="store_true", help="print the table as JSON too")
     p.set_defaults(func=run)
 
 
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected e.g. 1,12,64") from None
-    if any(n < 1 for n in levels):
-        raise argparse.ArgumentTypeError(f"{text!r}: every level must be at least 1")
-    return levels
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the rate must be above 0")
-    return value
-
-
-@dataclass
-class _Result:
-    ok: bool
-    error: str | None = None
-    ttft: float = 0.0
-    tpot: float | None = None
-    itl: list[float] = field(default_factory=list)
-    e2el: float = 0.0
-    tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-
-
 def run(args: argparse.Namespace) -> int:
-    from kern.errors import UsageError
-
     if args.shared_prefix > args.prompt_tokens:
         raise UsageError(
             f"--shared-prefix {args.shared_prefix} is longer than --prompt-tokens "
@@ -156,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
             row["ratio"] = row["output_tok_s"] / runner[level]
             row["sched_ratio"] = sched[level] / runner[level]
     for row in rows:
-        _print_block(row)
-    _print_table(rows)
+        print_block(row)
+    print_table(rows)
     if args.json:
         print(json.dumps(rows))
     return 0
@@ -166,8 +124,6 @@ def run(args: argparse.Namespace) -> int:
 def _probe(args: argparse.Namespace) -> str:
     """The served model's id; a server that does not answer is one line (exit 2)."""
     import httpx
-
-    from kern.errors import UsageError
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
@@ -220,7 +176,7 @@ async def _bench(
             before = await _spec_counts(client)
             t0 = time.perf_counter()
 
-            async def one(prompt: list[int], at: float, sem=sem, bar=bar, t0=t0) -> _Result:
+            async def one(prompt: list[int], at: float, sem=sem, bar=bar, t0=t0) -> Result:
                 delay = t0 + at - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -234,7 +190,7 @@ async def _bench(
             )
             wall = time.perf_counter() - t0
             bar.close()
-            row = _row(level, results, wall)
+            row = level_row(level, results, wall)
             after = await _spec_counts(client)
             drafted, accepted = (a - b for a, b in zip(after, before, strict=True))
             row["draft_tokens"] = drafted
@@ -265,7 +221,7 @@ _SPEC_COUNTERS = (
 )
 
 
-async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Result:
+async def _one(client, model: str, prompt: list[int], max_tokens: int) -> Result:
     """One streamed request, timed; any failure is a failed result naming it."""
     import httpx
 
@@ -289,7 +245,7 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Resul
                     message = json.loads(text)["error"]["message"]
                 except (ValueError, KeyError, TypeError):
                     message = text[:200]
-                return _Result(False, f"HTTP {resp.status_code}: {message}")
+                return Result(False, f"HTTP {resp.status_code}: {message}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -299,12 +255,12 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Resul
                 if event["choices"]:
                     times.append(time.perf_counter())
     except (httpx.HTTPError, ValueError, KeyError) as e:
-        return _Result(False, f"{type(e).__name__}: {e}")
+        return Result(False, f"{type(e).__name__}: {e}")
     end = time.perf_counter()
     if usage is None or not times:
-        return _Result(False, "the stream ended without tokens and usage")
+        return Result(False, "the stream ended without tokens and usage")
     n = usage["completion_tokens"]
-    return _Result(
+    return Result(
         True,
         ttft=times[0] - t0,
         tpot=(times[-1] - times[0]) / (n - 1) if n > 1 else None,
@@ -316,45 +272,6 @@ async def _one(client, model: str, prompt: list[int], max_tokens: int) -> _Resul
     )
 
 
-def _stats(values: list[float], name: str) -> dict[str, float | None]:
-    """mean, median and p99 in ms (None without values: JSON has no NaN)."""
-    import numpy as np
-
-    if not values:
-        return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
-    a = np.asarray(values) * 1e3
-    return {
-        f"mean_{name}_ms": float(a.mean()),
-        f"median_{name}_ms": float(np.median(a)),
-        f"p99_{name}_ms": float(np.percentile(a, 99)),
-    }
-
-
-def _row(level: int, results: list[_Result], wall: float) -> dict:
-    ok = [r for r in results if r.ok]
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
-    return {
-        "concurrency": level,
-        "requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": errors,
-        "duration_s": wall,
-        "input_tokens": sum(r.prompt_tokens for r in ok),
-        "output_tokens": sum(r.tokens for r in ok),
-        "req_s": len(ok) / wall,
-        "output_tok_s": sum(r.tokens for r in ok) / wall,
-        **_stats([r.ttft for r in ok], "ttft"),
-        **_stats([r.tpot for r in ok if r.tpot is not None], "tpot"),
-        **_stats([g for r in ok for g in r.itl], "itl"),
-        **_stats([r.e2el for r in ok], "e2el"),
-        "cached_ratio": sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)),
-    }
-
-
 def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) -> float:
     """Decode tokens/s of ``runner.forward`` over ``batch`` sequences: the best of ``repeat``
     runs of ``max_tokens`` steps from the prompt's end, so the contexts are the ones the
@@ -362,8 +279,6 @@ def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) 
     sampled greedily every step). Pages and slots come from the (still empty) cache and go
     back to it after."""
     import numpy as np
-
-    from kern.pool import PoolFull
 
     runner, cache = engine.runner, engine.cache
     pt = runner.page_tokens
@@ -375,8 +290,6 @@ def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) 
         pages = np.frombuffer(own, np.uint32).tolist()
         slots = [cache.alloc_slot() for _ in range(batch)] if runner.stateful else [None] * batch
     except PoolFull:
-        from kern.errors import UsageError
-
         raise UsageError(
             f"--baseline-model: the default pool is too small for --concurrency {batch}"
         ) from None
@@ -419,13 +332,9 @@ def _baselines(
     HTTP, at most ``level`` in flight, a new request submitted as one finishes, levels in
     order on one cache as the server sees them). Both on the scheduler's thread, which also
     loads the model, as in the server (see ``kern.engine.scheduler.start_scheduler``)."""
-    import threading
-    from pathlib import Path
-
     from kern.engine.load import Engine
     from kern.engine.request import Request
     from kern.engine.scheduler import Scheduler, start_scheduler
-    from kern.kern_toml import Target
 
     target = Target(
         name="baseline", checkpoint=Path(args.baseline_model).resolve(), threads=args.threads
@@ -478,68 +387,3 @@ def _baselines(
     if sched.failed is not None:
         raise RuntimeError("the scheduler failed") from sched.failed
     return runner_rates, rates
-
-
-def _print_block(row: dict) -> None:
-    """One level's summary, laid out as ``vllm bench serve`` prints it."""
-    w = 50
-    print(f" Concurrency {row['concurrency']} ".center(w, "="))
-    lines = [
-        ("Successful requests:", f"{row['completed']}"),
-        ("Failed requests:", f"{row['failed']}"),
-        ("Benchmark duration (s):", f"{row['duration_s']:.2f}"),
-        ("Total input tokens:", f"{row['input_tokens']}"),
-        ("Total generated tokens:", f"{row['output_tokens']}"),
-        ("Request throughput (req/s):", f"{row['req_s']:.2f}"),
-        ("Output token throughput (tok/s):", f"{row['output_tok_s']:.2f}"),
-        ("Prompt tokens from the cache:", f"{row['cached_ratio']:.2%}"),
-        ("Draft tokens (accepted):", f"{row['draft_tokens']:.0f} ({row['accepted_tokens']:.0f})"),
-        ("Draft acceptance rate:", _fmt("{:.2%}", row["acceptance"])),
-    ]
-    for label, value in lines:
-        print(f"{label:<40}{value:>10}")
-    for error, count in row["errors"].items():
-        print(f"  failed x{count}: {error}")
-    for key, title in (
-        ("ttft", "Time to First Token"),
-        ("tpot", "Time per Output Token (excl. 1st token)"),
-        ("itl", "Inter-token Latency"),
-        ("e2el", "End-to-end Latency"),
-    ):
-        print(title.center(w, "-"))
-        name = key.upper()
-        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
-            print(f"{f'{label} {name} (ms):':<40}{_fmt('{:.2f}', row[f'{stat}_{key}_ms']):>10}")
-    print("=" * w)
-
-
-def _print_table(rows: list[dict]) -> None:
-    cols = [
-        ("concurrency", "conc", "{:d}"),
-        ("completed", "ok", "{:d}"),
-        ("failed", "failed", "{:d}"),
-        ("req_s", "req/s", "{:.2f}"),
-        ("output_tok_s", "out tok/s", "{:.1f}"),
-        ("median_ttft_ms", "TTFT p50 ms", "{:.1f}"),
-        ("p99_ttft_ms", "TTFT p99 ms", "{:.1f}"),
-        ("median_tpot_ms", "TPOT p50 ms", "{:.2f}"),
-        ("p99_itl_ms", "ITL p99 ms", "{:.2f}"),
-        ("median_e2el_ms", "E2EL p50 ms", "{:.1f}"),
-        ("cached_ratio", "cached", "{:.2f}"),
-        ("acceptance", "accept", "{:.2f}"),
-    ]
-    if rows and "runner_tok_s" in rows[0]:
-        cols += [
-            ("runner_tok_s", "runner tok/s", "{:.1f}"),
-            ("sched_tok_s", "scheduler tok/s", "{:.1f}"),
-            ("sched_ratio", "scheduler/runner", "{:.2f}"),
-            ("ratio", "server/runner", "{:.2f}"),
-        ]
-    print("| " + " | ".join(h for _, h, _ in cols) + " |")
-    print("|" + "|".join(" ---: " for _ in cols) + "|")
-    for row in rows:
-        print("| " + " | ".join(_fmt(f, row[k]) for k, _, f in cols) + " |")
-
-
-def _fmt(spec: str, value: float | None) -> str:
-    return "-" if value is None else spec.format(value)

@@ -4,7 +4,8 @@ serve :class:`kern.app.App` with hypercorn until SIGTERM or SIGINT.
 Design notes
 ------------
 * In that order, so that every mistake shows before a minute of loading: the flags and the
-  target are checked first (``kern.targets``, the check ``kern run`` uses; no weights read),
+  target are checked first (:func:`kern.engine.targets.select`, as ``kern run`` selects; no
+  weights read),
   then the port is bound (a port in use is an error at once, as in vLLM, not after the load),
   then the model loads (a progress bar on a terminal), then one start-up line, then hypercorn
   serves the bound socket (handed over as ``fd://``). A mistake is one line and exit 2.
@@ -29,8 +30,19 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["add_parser"]
+import kern.cli.args as argtypes
+from kern.engine.targets import FLAGS, select
+from kern.errors import UsageError
+from kern.kern_toml import DEFAULT_THREADS, REASONING_PARSERS, Target
+from kern.server import logs
+
+if TYPE_CHECKING:
+    from kern.app import App
+    from kern.engine.load import Engine
+
+__all__ = ["add_parser", "run"]
 
 log = logging.getLogger("kern")
 
@@ -43,10 +55,6 @@ BACKLOG = 4096
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from kern.cli import _positive_int
-    from kern.kern_toml import DEFAULT_THREADS, REASONING_PARSERS
-    from kern.server.logs import LEVELS
-
     p = sub.add_parser(
         "serve",
         help="serve the OpenAI-compatible API (see docs/serve.md)",
@@ -67,27 +75,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "target keys", "each sets the kern.toml key of the same name (over --config's value)"
     )
     keys.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    keys.add_argument("--device", type=_device, metavar="DEVICE", help="cpu, cuda or cuda:N")
+    keys.add_argument(
+        "--device", type=argtypes.device, metavar="DEVICE", help="cpu, cuda or cuda:N"
+    )
     keys.add_argument(
         "--pool-bytes",
-        type=_bytes(1),
+        type=argtypes.byte_size(1),
         metavar="BYTES",
         help="device budget for KV pages and states, e.g. 512MiB (default: 256MiB on the CPU, "
         "85%% of the memory free after loading on CUDA)",
     )
     keys.add_argument(
         "--host-bytes",
-        type=_bytes(0),
+        type=argtypes.byte_size(0),
         metavar="BYTES",
         help="host-memory tier for parked cache entries, e.g. 4GiB (default 0: none)",
     )
-    keys.add_argument("--page-tokens", type=_positive_int, metavar="N", help="default 16")
+    keys.add_argument("--page-tokens", type=argtypes.positive_int, metavar="N", help="default 16")
     keys.add_argument(
-        "--threads", type=_positive_int, metavar="N", help=f"default {DEFAULT_THREADS}"
+        "--threads", type=argtypes.positive_int, metavar="N", help=f"default {DEFAULT_THREADS}"
     )
     keys.add_argument(
         "--ranks",
-        type=_positive_int,
+        type=argtypes.positive_int,
         metavar="N",
         help="processes that split the model, tp unless the target says (default 1)",
     )
@@ -98,7 +108,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     keys.add_argument(
         "--rows",
-        type=_positive_int,
+        type=argtypes.positive_int,
         metavar="R",
         help="positions a decode step verifies per sequence: the last token and R - 1 drafts "
         "(n-gram, or the target's draft checkpoint); one of the target's declared rows "
@@ -107,7 +117,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     net.add_argument(
-        "--port", type=_port, default=8000, help="port to bind (default 8000; 0: any free one)"
+        "--port",
+        type=argtypes.port,
+        default=8000,
+        help="port to bind (default 8000; 0: any free one)",
     )
     net.add_argument(
         "--api-key",
@@ -120,41 +133,40 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     net.add_argument(
         "--body-timeout",
-        type=_seconds,
+        type=argtypes.seconds,
         default=30.0,
         metavar="SECONDS",
         help="time a client has to send a request body whole (default 30)",
     )
-    logs = p.add_argument_group("logs")
-    logs.add_argument("--log-level", choices=LEVELS, default="info", help="default info")
-    logs.add_argument(
+    log_args = p.add_argument_group("logs")
+    log_args.add_argument("--log-level", choices=logs.LEVELS, default="info", help="default info")
+    log_args.add_argument(
         "--log-prompts", action="store_true", help="put each prompt's text in its request line"
     )
-    logs.add_argument(
+    log_args.add_argument(
         "--stats-interval",
-        type=_seconds,
+        type=argtypes.seconds,
         default=10.0,
         metavar="SECONDS",
         help="a stats line this often while busy (default 10; 0: none)",
     )
-    logs.add_argument("--access-log", action="store_true", help="hypercorn's access log too")
+    log_args.add_argument("--access-log", action="store_true", help="hypercorn's access log too")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kern.server import logs
-    from kern.targets import FLAGS, check_target, choose_rows, resolve_target
-
     logs.configure(args.log_level)
-    target, name = resolve_target(
+    selection = select(
         config=args.config,
         target=args.target,
         model=args.model,
         overrides={key: getattr(args, key) for key in FLAGS},
+        rows=args.rows,
         served_name=args.served_model_name,
+        serving=True,
     )
-    target = choose_rows(target, name, args.rows, "--rows")
-    config = check_target(target, serving=True)
+    target = selection.target
+    # The app imports the engine and torch: only once the target is known to be runnable.
     from kern.app import App
     from kern.server.settings import Settings, api_key
 
@@ -165,8 +177,6 @@ def run(args: argparse.Namespace) -> int:
             "--api-key-file or KERN_API_KEY"
         )
     if args.body_timeout == 0:
-        from kern.errors import UsageError
-
         raise UsageError("--body-timeout 0: a client would have no time to send a body")
     sock = _bind(args.host, args.port)
 
@@ -182,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with _interrupts_raise():
             engine = app.start()
-            summary = _summary(target, config.model_type, engine, app, sock)
+            summary = _summary(target, selection.config.model_type, engine, app, sock)
             _serve(app, sock, args, summary)
     except KeyboardInterrupt:
         log.info("stopped before serving")
@@ -196,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-def _summary(target, family: str, engine, app, sock: socket.socket) -> str:
+def _summary(target: Target, family: str, engine: Engine, app: App, sock: socket.socket) -> str:
     from kern import __version__
 
     stats = engine.cache.stats()
@@ -218,7 +228,7 @@ def _summary(target, family: str, engine, app, sock: socket.socket) -> str:
     )
 
 
-def _rows(target) -> str:
+def _rows(target: Target) -> str:
     rows = target.decode_rows
     if rows == 1:
         return "rows 1"
@@ -230,7 +240,7 @@ def _rows(target) -> str:
     )
 
 
-def _serve(app, sock: socket.socket, args: argparse.Namespace, summary: str) -> None:
+def _serve(app: App, sock: socket.socket, args: argparse.Namespace, summary: str) -> None:
     import asyncio
 
     from hypercorn.asyncio import serve
@@ -294,8 +304,6 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def _bind(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` (not listening yet); ``UsageError`` naming the flag."""
-    from kern.errors import UsageError
-
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -312,47 +320,3 @@ def _bind(host: str, port: int) -> socket.socket:
             raise UsageError(f"--port {port}: {host}:{port} is already in use") from None
         raise UsageError(f"--host {host} --port {port}: cannot bind: {e.strerror}") from None
     return sock
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to 65535)")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
-    return value
-
-
-def _device(text: str) -> str:
-    from kern.kern_toml import TomlConfigError, check_device
-
-    try:
-        check_device(text, "--device")
-    except TomlConfigError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--device: ")) from None
-    return text
-
-
-def _bytes(minimum: int):
-    def parse(text: str) -> int:
-        from kern.kern_toml import TomlConfigError, parse_bytes
-
-        # A bare number is bytes, as in kern.toml.
-        value: int | str = int(text) if text.isdigit() else text
-        try:
-            return parse_bytes(value, "size", minimum=minimum)
-        except TomlConfigError as e:
-            raise argparse.ArgumentTypeError(str(e).removeprefix("size: ")) from None
-
-    return parse

@@ -75,8 +75,8 @@ def check_draft(target_dir: Path, draft_dir: Path, where: str) -> ModelConfig:
 def check_draft_target(target: Target, config: ModelConfig) -> None:
     """A target's draft checkpoint: one rank only, and what :func:`check_draft` and
     :func:`draft_layout` check (the tokenizer, the family, its KV inside the target's page of
-    ``config``). Run by ``kern.targets.check_target`` before anything loads, and by the engine
-    for the callers that build it without that check. Raises :class:`UsageError`."""
+    ``config``). Run by ``kern.engine.targets.check_target`` before anything loads, and by the
+    engine for the callers that build it without that check. Raises :class:`UsageError`."""
     where = target.where("draft")
     if target.ranks != 1:
         raise UsageError(

@@ -86,7 +86,7 @@ class Engine:
         (``kern.engine.ranks``): the runner is then rank 0's :class:`RankedRunner`, and the
         budgets are per rank (every rank's arena is that size)."""
         if target.draft_checkpoint is not None:
-            # As kern.targets.check_target checks before load: the tests and the benchmarks
+            # As kern.engine.targets.check_target checks before load: the tests and the benchmarks
             # build engines without it.
             check_draft_target(target, load_config(target.checkpoint))
         if target.ranks > 1:

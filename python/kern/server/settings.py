@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kern.engine.targets import select
 from kern.errors import UsageError
 from kern.kern_toml import REASONING_PARSERS, Target
 from kern.server import logs
-from kern.targets import check_target, choose_rows, resolve_target
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
@@ -34,7 +34,7 @@ class Settings:
     """How to serve: ``kern serve`` passes its flags; under ``hypercorn kern.app:app`` they come
     from the environment (:meth:`from_env`)."""
 
-    # A checked target (kern.targets); None: resolved from the environment.
+    # A checked target (kern.engine.targets); None: resolved from the environment.
     target: Target | None = None
     api_key: str | None = None
     max_body: int = DEFAULT_MAX_BODY_BYTES
@@ -90,19 +90,21 @@ def _target(env: Mapping[str, str]) -> Target:
         raise UsageError("KERN_CONFIG needs KERN_TARGET")
     if name and not config:
         raise UsageError("KERN_TARGET needs KERN_CONFIG")
-    target, toml_name = resolve_target(
+    rows = None
+    if "KERN_ROWS" in env:
+        text = env["KERN_ROWS"]
+        if not text.isdigit() or int(text) < 1:
+            raise UsageError(f"KERN_ROWS={text!r} is not a positive integer")
+        rows = int(text)
+    return select(
         config=Path(config) if config else None,
         target=name or None,
         model=Path(model) if model else None,
         overrides={"reasoning_parser": parser},
-    )
-    if "KERN_ROWS" in env:
-        rows = env["KERN_ROWS"]
-        if not rows.isdigit() or int(rows) < 1:
-            raise UsageError(f"KERN_ROWS={rows!r} is not a positive integer")
-        target = choose_rows(target, toml_name, int(rows), "KERN_ROWS")
-    check_target(target, serving=True)
-    return target
+        rows=rows,
+        rows_flag="KERN_ROWS",
+        serving=True,
+    ).target
 
 
 def api_key(flag: str | None, file: Path | None, flag_name: str = "--api-key") -> str | None:

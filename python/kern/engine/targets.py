@@ -1,5 +1,6 @@
-"""Which target a command runs, and whether kern can run it here: one resolution and one check
-for ``kern run``, ``kern test`` and ``kern serve``.
+"""Which target a command runs, and whether kern can run it here: one :func:`select` for
+``kern run``, ``kern test``, ``kern serve`` and the server's environment (``KERN_*`` under
+hypercorn).
 
 Design notes
 ------------
@@ -21,11 +22,15 @@ Design notes
 * Everything that needs no weights is checked here, before anything loads or binds: the
   backend's dtype, a CUDA device, and the checkpoint's ``config.json`` (its family is known
   for the start-up line, and an unknown ``model_type`` is one line, not a traceback).
+* :func:`select` is the one order every caller gets: resolve the target (flags over the file),
+  choose its rows, then check it. Choosing rows reads no file, and the check then sees the
+  target as it will run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,14 @@ from kern.errors import UsageError
 from kern.kern_toml import Target, default_dtype, load_toml_config
 from kern.model_config import MissingFileError, ModelConfig, load_config
 
-__all__ = ["FLAGS", "check_target", "choose_rows", "resolve_target"]
+__all__ = [
+    "FLAGS",
+    "Selection",
+    "check_target",
+    "choose_rows",
+    "resolve_target",
+    "select",
+]
 
 # kern.toml key -> the flag that sets it on the command line.
 FLAGS = {
@@ -46,6 +58,41 @@ FLAGS = {
     "ranks": "--ranks",
     "reasoning_parser": "--reasoning-parser",
 }
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A checked target: what :func:`select` returns."""
+
+    target: Target
+    # Its [targets.NAME] in the kern.toml; None for --model or the embedded model.
+    name: str | None
+    # The checkpoint's config.json, read by the check.
+    config: ModelConfig
+
+
+def select(
+    *,
+    config: Path | None,
+    target: str | None,
+    model: Path | None,
+    overrides: dict[str, Any],
+    rows: int | None = None,
+    rows_flag: str = "--rows",
+    served_name: str | None = None,
+    serving: bool,
+) -> Selection:
+    """The target a command runs, decoding at ``rows`` (None: its widest), checked: what
+    :func:`resolve_target`, :func:`choose_rows` and :func:`check_target` say, in that order.
+    ``rows_flag`` names where ``rows`` came from in an error (``--rows``, ``KERN_ROWS``);
+    ``serving`` is passed on to :func:`check_target`.
+    Raises :class:`UsageError`, ``TomlConfigError`` and ``CheckpointError``; reads no
+    weights."""
+    resolved, name = resolve_target(
+        config=config, target=target, model=model, overrides=overrides, served_name=served_name
+    )
+    resolved = choose_rows(resolved, name, rows, rows_flag)
+    return Selection(resolved, name, check_target(resolved, serving=serving))
 
 
 def resolve_target(

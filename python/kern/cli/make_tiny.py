@@ -1,0 +1,102 @@
+"""``kern make-tiny``: write a small random-weight checkpoint (kern.tiny), deterministic from
+``--seed``. Every size flag maps one to one to a :func:`kern.tiny.make_tiny` keyword; an unset
+one takes the family's tiny default, and one that does not apply to the family is refused by
+``make_tiny`` (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kern.cli.args import index_list, positive_int
+from kern.errors import UsageError
+from kern.model_config import FAMILIES
+
+__all__ = ["add_parser", "run"]
+
+_SIZE_FLAGS = {
+    # flag: (make_tiny keyword, help)
+    "--layers": ("layers", "decoder layers"),
+    "--hidden": ("hidden", "hidden size"),
+    "--heads": ("heads", "attention heads"),
+    "--kv-heads": ("kv_heads", "key/value heads"),
+    "--head-dim": ("head_dim", "dims per attention head"),
+    "--intermediate": ("intermediate", "dense MLP width"),
+    "--vocab": ("vocab", "vocabulary size (tokenizer and embedding)"),
+    "--experts": ("experts", "qwen3_moe: experts per MoE layer"),
+    "--experts-per-tok": ("experts_per_tok", "qwen3_moe: experts each token is routed to"),
+    "--moe-intermediate": ("moe_intermediate", "qwen3_moe: expert MLP width"),
+    "--linear-key-heads": ("linear_key_heads", "qwen3_5: DeltaNet key heads"),
+    "--linear-value-heads": ("linear_value_heads", "qwen3_5: DeltaNet value heads"),
+    "--linear-key-head-dim": ("linear_key_head_dim", "qwen3_5: DeltaNet key head dims"),
+    "--linear-value-head-dim": ("linear_value_head_dim", "qwen3_5: DeltaNet value head dims"),
+    "--conv-kernel": ("conv_kernel", "qwen3_5: causal conv kernel size"),
+    "--full-attention-interval": (
+        "full_attention_interval",
+        "qwen3_5: every Nth layer is full attention, the others linear",
+    ),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "make-tiny",
+        help="write a small random-weight checkpoint",
+        description="Write a random-weight checkpoint of FAMILY to DIR, deterministic from "
+        "--seed: the same arguments give the same bytes. Unset sizes take the family's "
+        "tiny defaults.",
+    )
+    p.add_argument("family", choices=FAMILIES, metavar="FAMILY", help=", ".join(FAMILIES))
+    p.add_argument("dir", type=Path, metavar="DIR")
+    p.add_argument("--seed", type=int, default=0)
+    for flag, (dest, help_) in _SIZE_FLAGS.items():
+        p.add_argument(flag, dest=dest, type=positive_int, metavar="N", help=help_)
+    p.add_argument(
+        "--no-norm-topk-prob",
+        dest="norm_topk_prob",
+        action="store_const",
+        const=False,
+        help="qwen3_moe: do not renormalize the top-k routing weights",
+    )
+    p.add_argument(
+        "--decoder-sparse-step",
+        type=positive_int,
+        metavar="N",
+        help="qwen3_moe: every Nth layer is sparse",
+    )
+    p.add_argument(
+        "--mlp-only-layers",
+        type=index_list,
+        metavar="LAYERS",
+        help="qwen3_moe: layers with a dense MLP, e.g. 0,3",
+    )
+    p.add_argument("--tie-embeddings", action="store_true", help="share embedding and LM head")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--shards", type=positive_int, default=1, help="safetensors files")
+    p.add_argument("--force", action="store_true", help="replace files in a non-empty DIR")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # torch loads with kern.tiny: imported here, so that `kern --help` answers at once.
+    from kern.tiny import make_tiny
+
+    sizes = {dest: getattr(args, dest) for dest, _ in _SIZE_FLAGS.values()}
+    for dest in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+        sizes[dest] = getattr(args, dest)
+    try:
+        out = make_tiny(
+            args.family,
+            args.dir,
+            seed=args.seed,
+            tie_embeddings=args.tie_embeddings,
+            dtype=args.dtype,
+            shards=args.shards,
+            overwrite=args.force,
+            **sizes,
+        )
+    except (ValueError, FileExistsError) as e:
+        raise UsageError(str(e)) from e
+    print(out)
+    return 0
