@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.server import Server
 
 from kern.checkpoint import Checkpoint, load_checkpoint
 from kern.tiny import make_tiny
@@ -36,3 +37,19 @@ def tiny(tiny_dir):
         return loaded[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def make_server(tmp_path_factory):
+    """``make_server(name, **options)``: a :class:`support.server.Server` for this module,
+    closed when the module's tests are done."""
+    made: list[Server] = []
+
+    def make(name: str, **options) -> Server:
+        srv = Server(tmp_path_factory.mktemp(name), name, **options)
+        made.append(srv)
+        return srv
+
+    yield make
+    for srv in made:
+        srv.close()

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from scheduler_harness import draft_of, fresh, prompt, spec_counts
+from support.scheduler import draft_of, fresh, prompt, spec_counts
 
 from kern.checkpoint import load_checkpoint
 from kern.engine.generate import generate
@@ -297,7 +297,7 @@ def test_served_with_a_draft_is_kern_run_at_rows_5_and_1(tmp_path, tiny_dir, dra
     """Over HTTP, one at a time and six at once: a target with a draft checkpoint answers as
     kern run does at rows 5 (with the draft) and at rows 1; a client hanging up mid-stream
     frees its draft pages with the rest."""
-    from test_server import KEY, MODEL, Server
+    from support.server import KEY, MODEL, Server
 
     ckpt_dir = tiny_dir("qwen3")
     toml = tmp_path / "kern.toml"

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from test_server import KEY, MODEL, Server
+from support.server import KEY, MODEL, Server
 
 from kern.tiny import default_model_path
 
@@ -20,15 +20,8 @@ JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(
-        tmp_path_factory.mktemp("hostile"),
-        "hostile",
-        pool_bytes="4MiB",
-        extra=("--body-timeout", "1"),
-    )
-    yield srv
-    srv.close()
+def server(make_server):
+    return make_server("hostile", pool_bytes="4MiB", extra=("--body-timeout", "1"))
 
 
 def _error(r: httpx.Response, status: int) -> dict:

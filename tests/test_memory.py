@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-from scheduler_harness import load
-from test_server import Server
+from support.scheduler import load
+from support.server import Server
 
 from kern.tiny import make_tiny
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
-from test_server import KEY, MODEL, Server
+from support.server import KEY, MODEL, Server
 
 from kern.server import api
 from kern.tiny import make_tiny

@@ -1,4 +1,4 @@
-"""The scheduler in-process (tests/scheduler_harness.py): admission, chunked prefill,
+"""The scheduler in-process (tests/support/scheduler.py): admission, chunked prefill,
 preemption, parking and waking, hang-ups, slot growth, the request-end snapshot, and the
 cases that used to hang. Every step checks the cache's integrity and the books; every answer
 is compared with ``kern.engine.generate`` alone on the same ids."""
@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from scheduler_harness import Harness, drop_cache, load, prompt
+from support.scheduler import Harness, drop_cache, load, prompt
 
 from kern.engine.request import LimitError
 from kern.tiny import default_model_path

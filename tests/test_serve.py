@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import KEY, MODEL, Server, parse_metrics
+from support.server import KEY, MODEL, Server, parse_metrics
 
 from kern import __version__
 from kern.checkpoint import load_checkpoint

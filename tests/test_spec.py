@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from scheduler_harness import Harness, fresh, load, prompt, spec_counts
+from support.scheduler import Harness, fresh, load, prompt, spec_counts
 
 from kern.checkpoint import load_checkpoint
 from kern.engine.generate import generate
@@ -318,7 +318,7 @@ def test_accepting_the_target_draw_is_speculative_sampling():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from test_server import Server
+    from support.server import Server
 
     s = Server(
         tmp_path_factory.mktemp("spec"),

@@ -16,21 +16,14 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server import KEY, MODEL, Server
+from support.server import KEY, MODEL
 
 AUTH = f"Bearer {KEY}"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(
-        tmp_path_factory.mktemp("stress"),
-        "stress",
-        pool_bytes="2MiB",
-        extra=("--body-timeout", "2"),
-    )
-    yield srv
-    srv.close()
+def server(make_server):
+    return make_server("stress", pool_bytes="2MiB", extra=("--body-timeout", "2"))
 
 
 def _check(r: httpx.Response) -> None:

@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server import KEY, MODEL, Server
+from support.server import KEY, MODEL, Server
 
 from kern.tiny import default_model_path
 

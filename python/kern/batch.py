@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kern.arith import cdiv
 from kern.chunk import SeqChunk
 
 
@@ -55,7 +56,7 @@ def validate(
             raise ValueError(f"chunk {i}: no tokens")
         if c.start_pos < 0:
             raise ValueError(f"chunk {i}: start_pos {c.start_pos} < 0")
-        need = -(-(c.start_pos + n) // page_tokens)
+        need = cdiv(c.start_pos + n, page_tokens)
         if len(c.block_table) < need:
             raise ValueError(
                 f"chunk {i}: block_table has {len(c.block_table)} pages, positions up to "
@@ -87,7 +88,7 @@ def build_step(batch: Sequence[SeqChunk], page_tokens: int, device: torch.device
     seq_of_row = torch.repeat_interleave(torch.arange(len(batch)), lens)
     first = torch.tensor([c.start_pos for c in batch]) - torch.tensor(q_starts)
     positions = torch.arange(total) + first[seq_of_row]
-    num_pages = [-(-n // page_tokens) for n in ctx_lens]
+    num_pages = [cdiv(n, page_tokens) for n in ctx_lens]
     width = max(num_pages)
     tables = torch.zeros(len(batch), width, dtype=torch.long)
     used = torch.arange(width)[None, :] < torch.tensor(num_pages)[:, None]

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kern.arith import cdiv
+
 KEY_BLOCK = 32  # keys per block, in absolute positions of a sequence
 Q_TILE = 64  # query rows per unit when a sequence brings more than SMALL_ROWS rows
 SMALL_ROWS = 8  # sequences with at most this many rows (decode, verify) share one unit group
@@ -107,7 +109,7 @@ def plan_attention(
     """
     if page_tokens & (page_tokens - 1):
         raise ValueError(f"page_tokens must be a power of two, got {page_tokens}")
-    min_unit_rows = -(-MIN_ROWS // group_size)
+    min_unit_rows = cdiv(MIN_ROWS, group_size)
     layout = (num_kv_heads, head_dim, page_stride)
     args = (
         q_starts,
@@ -171,7 +173,7 @@ def _group(
     num_keys = (int(last_pos.max()) // KEY_BLOCK + 1) * KEY_BLOCK
     # Whole pages are read; with pages longer than a key block the extra keys are masked
     # blocks, which add exact zeros (so the bits do not depend on page_tokens).
-    num_pages = -(-num_keys // page_tokens)
+    num_pages = cdiv(num_keys, page_tokens)
     num_blocks = num_pages * page_tokens // KEY_BLOCK
     k_pos = torch.arange(num_blocks * KEY_BLOCK)
     # Pages past a unit's context repeat its last page (any real page would do: masked).

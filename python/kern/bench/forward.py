@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kern.arith import cdiv
 from kern.checkpoint import Checkpoint, load_checkpoint
 from kern.chunk import SeqChunk
 from kern.engine.params import SamplingParams
@@ -47,7 +48,7 @@ def best(fn: Callable[[], None], repeat: int) -> float:
 
 
 def kern_prefill(ckpt: Checkpoint, prompts: list[list[int]], page: int, repeat: int) -> float:
-    pages = -(-len(prompts[0]) // page) + 1
+    pages = cdiv(len(prompts[0]), page) + 1
     runner = Runner.with_pages(
         ckpt, num_pages=pages * len(prompts), page_tokens=page, num_slots=len(prompts)
     )
@@ -63,7 +64,7 @@ def kern_decode(
     ckpt: Checkpoint, prompts: list[list[int]], steps: int, page: int, repeat: int
 ) -> float:
     n = len(prompts)
-    pages = -(-(len(prompts[0]) + steps + 1) // page)
+    pages = cdiv(len(prompts[0]) + steps + 1, page)
     runner = Runner.with_pages(ckpt, num_pages=pages * n, page_tokens=page, num_slots=n)
     tables = [list(range(i * pages, (i + 1) * pages)) for i in range(n)]
     greedy = [SamplingParams()] * n

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kern.arith import cdiv
 from kern.batch import SeqChunk
 from kern.checkpoint import Checkpoint, load_checkpoint
 from kern.engine.generate import generate
@@ -108,7 +109,7 @@ def run_batched(
             cuts.append(c)
             left -= c
         seqs_spec.append((other, cuts))
-    per_seq = [-(-(len(p) + steps + 2) // page_tokens) for p, _ in seqs_spec]
+    per_seq = [cdiv(len(p) + steps + 2, page_tokens) for p, _ in seqs_spec]
     runner = Runner.with_pages(
         ckpt, num_pages=sum(per_seq), page_tokens=page_tokens, num_slots=len(seqs_spec)
     )
@@ -159,7 +160,7 @@ def check_decode_kv(
     prefill of the same tokens writes; for a stateful model the final state counts as one
     more position."""
     n = len(prompt) + steps
-    pages = -(-n // page_tokens)
+    pages = cdiv(n, page_tokens)
     runner = Runner.with_pages(ckpt, num_pages=2 * pages, page_tokens=page_tokens, num_slots=2)
     decoded = list(range(pages))
     tokens = list(prompt)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kern.arith import cdiv
 from kern.bench import pytree
 from kern.pool import Cache, Evicted
 
@@ -167,7 +168,7 @@ def replay_kern(t: Trace, pt: int, budget: int) -> Run:
             t0 = clock()
             m = cache.match(prompt)
             t1 = clock()
-            need = -(-len(prompt) // pt) - m.hit_len // pt
+            need = cdiv(len(prompt), pt) - m.hit_len // pt
             own, room = cache.take_pages(need)
             block = m.pages + own
             t2 = clock()
@@ -184,7 +185,7 @@ def replay_kern(t: Trace, pt: int, budget: int) -> Run:
             whole = full_len // pt * 4
             key = tokens[: full_len // pt * pt].copy()
             t0 = clock()
-            need = -(-full_len // pt) - len(block) // 4
+            need = cdiv(full_len, pt) - len(block) // 4
             own, room = cache.take_pages(need)
             block += own
             t1 = clock()
@@ -225,7 +226,7 @@ def replay_python(t: Trace, pt: int, budget: int) -> Run:
             t0 = clock()
             m = tree.match(prompt)
             t1 = clock()
-            need = -(-len(prompt) // (4 * pt)) - m.hit_len // pt
+            need = cdiv(len(prompt), (4 * pt)) - m.hit_len // pt
             own, evicted = tree.take_pages(need)
             block = m.pages + own
             t2 = clock()
@@ -241,7 +242,7 @@ def replay_python(t: Trace, pt: int, budget: int) -> Run:
             whole = full_len // pt
             key = tokens[: 4 * whole * pt]
             t0 = clock()
-            need = -(-full_len // pt) - len(block)
+            need = cdiv(full_len, pt) - len(block)
             own, evicted = tree.take_pages(need)
             block += own
             t1 = clock()
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     for n in sizes:
         t = traces[n]
         for pt in pts:
-            want = max(int(0.2 * t.distinct) // pt, -(-int(1.05 * t.peak_tokens) // pt) + 1)
+            want = max(int(0.2 * t.distinct) // pt, cdiv(int(1.05 * t.peak_tokens), pt) + 1)
             cases.append((n, pt, want * PAGE_BYTES, min(10, max(1, max(sizes) // n))))
     runs: dict[tuple[int, int, str], list[Run]] = {}
     for _ in range(args.runs):

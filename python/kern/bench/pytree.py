@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import heapq
 
+from kern.arith import cdiv
+
 
 class PoolFull(Exception):
     pass
@@ -165,7 +167,7 @@ class Tree:
                 n = end - off  # the key ends inside `run`, which it reads to there
             else:
                 n = self._common_pages(run, key, off)
-            top = -(-n // u) * u
+            top = cdiv(n, u) * u
             c = self._split(c, top) if top < len(run) else c
             path.append(c)
             return c, off + n, path

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kern.arith import cdiv
 from kern.batch import SeqChunk
 from kern.bench.forward import MODEL_100M
 
@@ -75,7 +76,7 @@ def one(model: Path, ranks: int, threads: int, args: argparse.Namespace) -> dict
 
     torch.set_num_threads(threads)
     seqs, prompt = args.batch, args.prompt
-    per_seq = -(-(prompt + args.steps + 1) // PAGE_TOKENS)
+    per_seq = cdiv(prompt + args.steps + 1, PAGE_TOKENS)
     num_pages = per_seq * seqs
     target = Target(name="bench", checkpoint=model, ranks=ranks, threads=threads)
     ranked = None
@@ -110,7 +111,7 @@ def one(model: Path, ranks: int, threads: int, args: argparse.Namespace) -> dict
     steps, comm, bcast = [], [], []
     for s in range(args.steps):
         chunks = [
-            SeqChunk([last[b]], prompt + s, tables[b][: -(-(prompt + s + 1) // PAGE_TOKENS)])
+            SeqChunk([last[b]], prompt + s, tables[b][: cdiv(prompt + s + 1, PAGE_TOKENS)])
             for b in range(seqs)
         ]
         c0 = ranked.comm.seconds if ranked else 0.0

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kern.arith import cdiv
 from kern.checkpoint import load_checkpoint
 from kern.chunk import SeqChunk
 from kern.engine.params import Context, SamplingParams
@@ -46,7 +47,7 @@ def decode_steps(
     ``grammar`` (a compiled JSON schema and its kern.engine.structured.Grammars), every row is held
     to it, a finished JSON starting the next at once."""
     n = len(prompts)
-    pages = -(-(len(prompts[0]) + steps + 1) // page)
+    pages = cdiv(len(prompts[0]) + steps + 1, page)
     tables = [list(range(i * pages, (i + 1) * pages)) for i in range(n)]
     tokens = [list(p) for p in prompts]
     logits = runner.forward(
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             path = make_tiny("qwen3", Path(tmp) / "m", seed=0, **MODEL_100M)
         ckpt = load_checkpoint(path)
         page = 16
-        pages = -(-(args.prompt + args.steps + 1) // page)
+        pages = cdiv(args.prompt + args.steps + 1, page)
         runner = Runner.with_pages(
             ckpt, num_pages=pages * args.batch, page_tokens=page, num_slots=args.batch
         )

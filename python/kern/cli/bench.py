@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import kern.cli.args as argtypes
+from kern.arith import cdiv
 from kern.cli.bench_report import Result, level_row, print_block, print_table
 from kern.errors import UsageError
 from kern.kern_toml import Target
@@ -282,7 +283,7 @@ def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) 
 
     runner, cache = engine.runner, engine.cache
     pt = runner.page_tokens
-    per_seq = -(-(args.prompt_tokens + args.max_tokens) // pt)
+    per_seq = cdiv(args.prompt_tokens + args.max_tokens, pt)
     try:
         own, _ = cache.take_pages(batch * per_seq)  # the cache is empty: nothing to evict
         if own is None:

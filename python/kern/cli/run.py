@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kern.arith import cdiv
 from kern.cli.args import id_list, index_list, label_list, positive_int
 from kern.cli.target import add_target_args, load, load_draft, select_target
 from kern.errors import UsageError
@@ -224,7 +225,7 @@ def _generate(
     runner = None
     if ranks is not None:
         total = len(prompt_ids) + args.steps + rows  # as generate sizes its own pages
-        runner = ranks.runner_with_pages(ckpt, -(-total // target.page_tokens))
+        runner = ranks.runner_with_pages(ckpt, cdiv(total, target.page_tokens))
     result = generate(
         ckpt,
         prompt_ids,

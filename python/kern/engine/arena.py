@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from kern import pool
+from kern.arith import cdiv
 from kern.engine.layout import Layout
 
 __all__ = ["Arena", "Geometry", "land"]
@@ -70,8 +71,8 @@ class Geometry:
         """``num_pages`` pages, then ``num_slots`` slots, in one buffer, none shared: for a
         runner that owns its memory outright (``kern run``, tests, benchmarks)."""
         num_slots = num_slots if layout.stateful else 0
-        stride = -(-layout.state_bytes // SLOT_ALIGN) * SLOT_ALIGN
-        offset = -(-num_pages * layout.page_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        stride = cdiv(layout.state_bytes, SLOT_ALIGN) * SLOT_ALIGN
+        offset = cdiv(num_pages * layout.page_bytes, SLOT_ALIGN) * SLOT_ALIGN
         total = offset + num_slots * stride if num_slots else num_pages * layout.page_bytes
         return cls(layout.page_bytes, num_pages, stride, num_slots, total, offset)
 

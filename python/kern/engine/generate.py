@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kern.arith import cdiv
 from kern.backend import make_ops
 from kern.checkpoint import Checkpoint
 from kern.chunk import SeqChunk
@@ -92,7 +93,7 @@ def generate(
     if runner is None:
         runner = Runner.with_pages(
             checkpoint,
-            num_pages=-(-total // page_tokens),
+            num_pages=cdiv(total, page_tokens),
             page_tokens=page_tokens,
             num_slots=1,
             ops=make_ops(device, reference=reference),
@@ -128,7 +129,7 @@ def generate(
     if draft is not None and rows > 1:
         draft_runner = Runner.with_pages(
             draft,
-            num_pages=-(-total // page_tokens),
+            num_pages=cdiv(total, page_tokens),
             page_tokens=page_tokens,
             num_slots=2,
             ops=runner.ops,

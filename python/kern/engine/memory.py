@@ -39,6 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from kern.arith import cdiv
 from kern.engine.request import Request
 from kern.metrics import Metrics
 from kern.pool import Cache, CopyPlan, Evicted, Match, PoolFull, Room, Stats, ids, u32
@@ -121,7 +122,7 @@ class Memory:
         assert node is not None
         cap = len(req.tokens) - 1
         if m.resident_len < hit or (self.stateful and m.state_slot is None):
-            parked = -(-m.hit_len // self.page_tokens) - m.resident_len // self.page_tokens
+            parked = cdiv(m.hit_len, self.page_tokens) - m.resident_len // self.page_tokens
             if self.wake(node, parked):
                 m = self.match(req.tokens)  # the woken pages, under a lock of their own
                 self.unlock(node)
@@ -143,7 +144,7 @@ class Memory:
         pages (or the slot) cannot be had."""
         pt = self.page_tokens
         shared = self.pages(m)[: hit // pt] if m is not None and hit else []
-        need = -(-len(req.tokens) // pt) - len(shared)
+        need = cdiv(len(req.tokens), pt) - len(shared)
         slot = None
         if self.stateful:
             slot = self.take_slot()
@@ -273,7 +274,7 @@ class Memory:
         """Give the request's computed tokens and pages to the tree, unlock, free the rest
         (its draft memory too)."""
         n = req.num_computed
-        num_pages = -(-n // self.page_tokens)
+        num_pages = cdiv(n, self.page_tokens)
         keep, extra = req.block_table[:num_pages], req.block_table[num_pages:]
         node, req.node = req.node, None
         slot = req.slot

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kern.arith import cdiv
 from kern.chunk import SeqChunk
 from kern.engine.memory import Memory
 from kern.engine.params import Pick
@@ -392,7 +393,7 @@ class Scheduler:
     def _grow(self, req: Request, k: int) -> bool:
         """Pages for ``req``'s next ``k`` tokens, preempting the youngest running requests
         when nothing can be evicted. False when ``req`` itself was preempted."""
-        need = -(-(req.num_computed + k) // self.pt) - len(req.block_table)
+        need = cdiv(req.num_computed + k, self.pt) - len(req.block_table)
         while True:
             pages = self.memory.take_pages(need)
             if pages is not None:

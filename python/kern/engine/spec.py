@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from kern.arith import cdiv
 from kern.chunk import SeqChunk
 from kern.engine.memory import Memory
 from kern.engine.ngram import NgramDrafter
@@ -273,7 +274,7 @@ class ModelDrafts:
             if d.computed != computed:
                 continue  # dropped for a target page since planned
             end = computed + catch + max(num - 1, 0)  # positions the draft writes
-            need = -(-end // dpt) - len(d.table)
+            need = cdiv(end, dpt) - len(d.table)
             if need > 0:
                 pages = memory.take_draft_pages(need)
                 if pages is None:

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kern.arith import cdiv
+
 ALIGN = 64  # floats; a multiple of ATen's SIMD step on AVX2 (16) and AVX-512 (32)
 GRAIN = 32768  # at::internal::GRAIN_SIZE, elements
 
@@ -46,7 +48,7 @@ def pointwise(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """
     cols = x.shape[-1]
     rows = x.reshape(-1, cols)
-    padded = -(-cols // ALIGN) * ALIGN
+    padded = cdiv(cols, ALIGN) * ALIGN
     # contiguous rows: a strided view would give each row its own SIMD loop and tail
     rows = F.pad(rows, (0, padded - cols)) if padded != cols else rows.contiguous()
     step = max(1, GRAIN // padded)

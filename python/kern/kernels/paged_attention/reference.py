@@ -24,6 +24,8 @@ Design notes (batch invariance, see README.md for the guarantee):
 import torch
 from torch import Tensor
 
+from kern.arith import cdiv
+
 Q_BLOCK = 16  # query rows per matmul tile; fixed so every matmul has one shape
 KV_BLOCK = 64  # keys per online-softmax step, in absolute positions of the sequence
 
@@ -50,7 +52,7 @@ def _blocks(cache: Tensor, block_table: Tensor, seq_len: int, kv_block: int, gro
     past seq_len, each KV head repeated over its `group` query heads. Gathered once per
     sequence; each block is contiguous, so every matmul sees the same layout."""
     page_tokens, num_kv_heads, head_dim = cache.shape[1:]
-    num_blocks = -(-seq_len // kv_block)
+    num_blocks = cdiv(seq_len, kv_block)
     positions = torch.arange(seq_len, device=cache.device)
     pages = block_table[positions // page_tokens].long()
     out = torch.zeros(num_blocks * kv_block, num_kv_heads, head_dim, device=cache.device)
