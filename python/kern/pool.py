@@ -20,7 +20,7 @@ Contract with the caller (the scheduler), one call per operation:
   (a no-op when they fit) and frees device pages at once in the books: land each park plan in
   ``room.evicted`` (device -> host copies) before allocating again. ``wake`` returns
   host -> device copies to land before the woken pages are read.
-- ``take_pages(n)`` is ``make_room(n)`` and, when the room fits, ``alloc_pages(n)`` in one
+- ``take_pages(n)`` is ``make_room(n)`` and, when the room fits, ``n`` pages allocated, in one
   call, returning ``(pages, room)`` (``pages`` None when it does not fit); land the park
   plans in ``room`` before writing the pages.
 - ``release(tokens, pages, state, node, free)`` ends a request in one call: the
