@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.server import KEY, MODEL, Server, parse_metrics
 
 from kern import __version__
+from kern.backend.cpu import onednn_rows_hold
 from kern.checkpoint import load_checkpoint
 from kern.engine.generate import generate
 
@@ -77,6 +78,7 @@ def test_start_up_line(hybrid, tiny_dir):
     assert "on cpu/float32, threads 2" in line
     assert re.search(r"KV pool \d+ pages x 16 tokens, 2 state slots \(4\.0 MiB\)", line), line
     assert "host tier 0 pages (0.0 MiB)" in line
+    assert ("linears in MKL tiles" in line) != onednn_rows_hold(), line
     assert line.endswith(f"listening on http://127.0.0.1:{hybrid.port}")
     assert "Running on" not in hybrid.output()  # hypercorn's own line says less
 

@@ -9,12 +9,14 @@ Design notes
     bits were the same for every M from 2 to 8192 at every shape tried (K x N from 64 x 256
     to 2048 x 11008 and 1024 x 151936, 1 and 2 threads, on an AMD EPYC host), and it ran
     1.3-2.3x faster than MKL at M = 32 on AMD EPYC (where MKL takes its AVX2 path). M = 1
-    differs (at K = 2048), so one row is padded to 2. MKL's ``x @ w`` is not a safe
-    default: on an AMD EPYC host at 2 threads its rows changed for M in 5-7 and 9-11 (it
-    splits M across threads), though on the earlier host they held for 4 <= M <= 128. It
-    stays only as the fallback for a torch without the oneDNN op: ``w`` transposed
-    ([in, out]), tiles of at most ``ROW_TILE`` rows, each padded to ``MIN_ROWS`` (12: no M
-    from 12 to 128 changed a row's bits on either host).
+    differs (at K = 2048), so one row is padded to 2. torch 2.11's oneDNN is not invariant on
+    an AVX2-only EPYC (rows changed for M = 1-3, 7-9, 13-15, ... at every shape), so the op
+    is used only when a start-up probe (:func:`onednn_rows_hold`) sees its rows hold. MKL's
+    ``x @ w`` is not a safe default: on an AMD EPYC host at 2 threads its rows changed for M
+    in 5-7 and 9-11 (it splits M across threads), though on the earlier host they held for
+    4 <= M <= 128. It stays only as the fallback where oneDNN's rows do not hold: ``w``
+    transposed ([in, out]), tiles of at most ``ROW_TILE`` rows, each padded to ``MIN_ROWS``
+    (12: no M from 12 to 128 changed a row's bits on any host measured).
   - ``torch.sigmoid``, ``F.silu`` and ``F.softplus`` are not batch invariant on the CPU
     (their scalar tail loop and vectorized body differ by an ulp); sigmoid, silu and
     softplus are composed from exp, log1p and division instead (``kern.kernels.pointwise``,
@@ -30,6 +32,7 @@ Design notes
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +61,29 @@ def _has_onednn_linear() -> bool:
         return False
 
 
+@functools.cache
+def onednn_rows_hold() -> bool:
+    """Whether this torch's oneDNN linear gives a row the same bits at every row count the
+    probe tries. torch 2.11 on an AVX2-only host failed at M = 1-3, 7-9, 13-15, ... at every
+    shape, torch 2.13 on the same host at none; ~0.1 s, once per process. ``kern serve``'s
+    start-up line says when it is false."""
+    if not _has_onednn_linear():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    for k, n in ((80, 96), (1024, 256)):
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=gen), 32)
+        x = torch.randn(80, k, generator=gen)
+        run = functools.partial(
+            _pad_rows, min_rows=ONEDNN_MIN_ROWS, fn=functools.partial(_onednn, packed=packed)
+        )
+        whole = run(x)
+        for m in (*range(1, 20), 31, 33, 64):
+            # a row count's first rows and last rows, against the same rows of all 80
+            if not (torch.equal(run(x[:m]), whole[:m]) and torch.equal(run(x[-m:]), whole[-m:])):
+                return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class CpuLinear:
     """A linear's weight as :meth:`CpuOps.linear` runs it: a oneDNN-reordered [out, in]
@@ -76,7 +102,7 @@ class CpuOps:
     is_cpu = True
 
     def __init__(self) -> None:
-        self.onednn = _has_onednn_linear()
+        self.onednn = onednn_rows_hold()
 
     def prepare_linear(self, w: Tensor) -> CpuLinear:
         """A checkpoint's [out, in] weight in the layout :meth:`linear` runs (see the notes)."""

@@ -219,13 +219,23 @@ def _summary(target: Target, family: str, engine: Engine, app: App, sock: socket
         ranks = f", {target.ranks} ranks ({target.parallel}), budgets per rank"
     return (
         f"kern {__version__} serving {target.name!r}: {family} from {target.checkpoint} on "
-        f"{target.device}/{target.dtype}, threads {target.threads}{ranks}, {_rows(target)}; "
+        f"{target.device}/{target.dtype}, threads {target.threads}{ranks}, "
+        f"{_rows(target)}; "
         "KV pool "
         f"{app.scheduler.max_pages} pages x {target.page_tokens} tokens, "
         f"{stats.slot_capacity} state slots ({device_arena / mib:.1f} MiB); host tier "
-        f"{stats.host_pages_free} pages ({host_arena / mib:.1f} MiB); "
+        f"{stats.host_pages_free} pages ({host_arena / mib:.1f} MiB){_linears(target)}; "
         f"listening on http://{host}:{port}"
     )
+
+
+def _linears(target: Target) -> str:
+    """Said only when the CPU linears leave the fast path (see kern.backend.cpu)."""
+    from kern.backend.cpu import onednn_rows_hold
+
+    if target.device != "cpu" or onednn_rows_hold():
+        return ""
+    return "; linears in MKL tiles (this torch's oneDNN rows vary with the batch: slower)"
 
 
 def _rows(target: Target) -> str:
