@@ -2,6 +2,10 @@
 
 Triton reads TRITON_INTERPRET when a kernel module is imported, so it is set here, before
 any test module imports one: the kernels then run on CPU torch tensors.
+
+``KERN_KERNEL_DEVICE=cuda`` runs the same tests compiled on a GPU instead (what
+``tools/gpu/check.sh`` does): no interpreter, and torch's default device is the GPU, so
+every tensor a test makes lands there.
 """
 
 import os
@@ -12,7 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = os.environ.get("KERN_KERNEL_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+elif DEVICE.startswith("cuda"):
+    torch.set_default_device(DEVICE)
+else:
+    raise pytest.UsageError(f"KERN_KERNEL_DEVICE={DEVICE!r}: cpu or cuda[:N]")
 
 try:
     import kern.kernels  # noqa: F401
@@ -51,7 +61,8 @@ def _rows_alike_dot() -> None:
     builder.create_dot = create_dot
 
 
-_rows_alike_dot()
+if DEVICE == "cpu":
+    _rows_alike_dot()
 
 # Relative error allowed between a kernel and its reference: float32 rounding in fp32;
 # in bf16/fp16 the output rounding (and bf16 operands in tl.dot) dominate.

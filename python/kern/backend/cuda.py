@@ -1,10 +1,13 @@
-"""The CUDA backend: bf16 Triton kernels (``kern.kernels.<op>.<op>``) and cuBLAS matmuls.
+"""The CUDA backend: bf16 Triton kernels (``kern.kernels.<op>.<op>``), matmuls included.
 
 Design notes
 ------------
 * Written to the kernels' documented signatures; no GPU has run it, but
   ``tests/test_runner.py`` runs it with the Triton interpreter on CPU tensors (float32)
   against the CPU backend. It makes no invariance promise beyond what the kernels document.
+* Linears go through ``kern.kernels.matmul`` (tile fixed by the weight's shape), not cuBLAS,
+  whose kernel and split-K depend on the row count: a row's bits must not depend on its
+  batch (the identity promise).
 * Each kernel module is looked up by :meth:`CudaOps._kernel`, so the same wiring serves the
   torch reference path (:class:`kern.backend.reference.ReferenceOps`), whose kernels have
   the same signatures.
@@ -22,7 +25,7 @@ from kern.batch import Step
 
 
 class CudaOps:
-    """bf16 Triton kernels (``kern.kernels.<op>.<op>``) and cuBLAS matmuls on a CUDA device."""
+    """bf16 Triton kernels (``kern.kernels.<op>.<op>``) on a CUDA device."""
 
     dtype = torch.bfloat16
     is_cpu = False
@@ -35,6 +38,7 @@ class CudaOps:
         self._act = self._kernel("silu_and_mul")
         self._conv = self._kernel("causal_conv1d")
         self._gdr = self._kernel("gated_delta_rule")
+        self._matmul = self._kernel("matmul")
 
     def _kernel(self, op: str):
         """The Triton wrapper of ``kern.kernels.<op>``; ReferenceOps takes the torch reference
@@ -46,7 +50,7 @@ class CudaOps:
         return w.to(device=self.device, dtype=self.dtype).contiguous()
 
     def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-        return torch.nn.functional.linear(x, w, bias)
+        return self._matmul.linear(x, w, bias)
 
     def prepare_norm(self, w: Tensor, offset: float = 0.0):
         # The kernel takes the stored weight and the offset; a [H, D] stacked weight (fused

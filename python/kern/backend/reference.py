@@ -11,7 +11,8 @@ from kern.backend.cuda import CudaOps
 
 class ReferenceOps(CudaOps):
     """The torch reference path: the CUDA backend's wiring with every kernel replaced by its
-    torch reference (``kern.kernels.<op>.reference``) and ``F.linear``, float32 on the CPU.
+    torch reference (``kern.kernels.<op>.reference``; the linears' is ``x @ w.T``), float32
+    on the CPU.
 
     Slow (the references loop over sequences in Python) and makes no invariance promise; it
     is what ``kern test`` checks a target's backend against, since it shares no attention,

@@ -7,13 +7,15 @@ from triton import knobs
 
 
 def autotune_configs(configs: list[triton.Config]) -> list[triton.Config]:
-    """The configs to autotune over: all of them on a GPU, the first under TRITON_INTERPRET=1.
+    """The one config every kernel runs: the first, on a GPU and under the interpreter alike.
 
-    The interpreter cannot time a config (triton's do_bench needs a device) and its timings
-    would mean nothing anyway, so it runs the first config only. Read when a kernel module
-    is imported: set TRITON_INTERPRET before importing one.
+    Timed autotuning picks by measurements that differ between processes, and a config
+    decides the warp layout of a kernel's reductions (``tl.sum``, ``tl.dot``), so ``kern
+    run`` and the server could round the same row differently: kern's identity promise
+    needs the config to be a function of the shapes alone. The other configs stay listed
+    as candidates for a better first one, measured on a device; none of them runs.
     """
-    return configs[:1] if knobs.runtime.interpret else configs
+    return configs[:1]
 
 
 def block(n: int, floor: int = 16) -> int:

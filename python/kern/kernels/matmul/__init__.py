@@ -1,0 +1,1 @@
+"""matmul: `reference` (torch only) and `matmul` (Triton) submodules; see README.md."""

@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from kern.kernels.matmul import matmul, reference
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "dtype", "bias"),
+    [
+        pytest.param(1, 96, 80, torch.float32, False, id="M1-N96-K80-fp32"),
+        pytest.param(5, 300, 130, torch.float32, True, id="M5-N300-K130-fp32-bias"),
+        pytest.param(70, 2048, 64, torch.bfloat16, False, id="M70-N2048-K64-bf16"),
+        pytest.param(3, 40, 24, torch.bfloat16, True, id="M3-N40-K24-bf16-bias"),
+    ],
+)
+def test_linear_kernel(m, n, k, dtype, bias, assert_close, tol):
+    x = torch.randn(m, k).to(dtype)
+    w = (torch.randn(n, k) / k**0.5).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    got = matmul.linear(x, w, b)
+    assert got.shape == (m, n) and got.dtype == dtype
+    assert_close("y", reference.linear(x, w, b), got, tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("n", "k"), [(96, 80), (512, 128)], ids=str)
+def test_a_rows_bits_do_not_depend_on_its_batch(n, k, dtype):
+    """The same row alone, among 3, 16, 64 and 130 rows, at the first, a middle and the last
+    place of its batch, and as row 0 of a strided view: the same bits every time."""
+    w = (torch.randn(n, k) / k**0.5).to(dtype)
+    pool = torch.randn(200, k).to(dtype)
+    row = pool[7:8]
+    want = matmul.linear(row, w)
+    for m in (3, 16, 64, 130):
+        for place in (0, m // 2, m - 1):
+            batch = pool[20 : 20 + m].clone()
+            batch[place] = row[0]
+            got = matmul.linear(batch, w)[place : place + 1]
+            assert torch.equal(got, want), (m, place)
+    wide = torch.cat([pool[7:8], pool[7:8]], dim=1)[:, :k]  # row stride 2k
+    assert torch.equal(matmul.linear(wide, w), want)
+
+
+def test_tile_depends_on_the_weight_only():
+    assert matmul.tile(3072, 1024) == matmul.tile(3072, 1024)
+    for n, k in ((96, 80), (2048, 1024), (151936, 1024)):
+        bm, bn, bk, warps, stages = matmul.tile(n, k)
+        assert bm >= 16 and bn >= 16 and bk >= 16 and warps in (1, 2, 4, 8) and stages >= 1
+
+
+def test_mistakes_are_named():
+    with pytest.raises(ValueError, match=r"want \[M, K\], \[N, K\]"):
+        matmul.linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="same dtype"):
+        matmul.linear(torch.randn(2, 8), torch.randn(4, 8).bfloat16())
+    assert matmul.linear(torch.randn(0, 8), torch.randn(4, 8)).shape == (0, 4)
