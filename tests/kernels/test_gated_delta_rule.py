@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,6 +76,8 @@ def test_reference_forms_agree(assert_close):
 def test_reference_matches_transformers(dtype, assert_close):
     """Against transformers' own torch functions, given q/k with fewer heads (Hk = 2, Hv = 4):
     the caller repeats them as transformers does."""
+    if os.environ.get("KERN_KERNEL_DEVICE", "cpu") != "cpu":
+        pytest.skip("two torch references against each other: the CPU run covers it")
     num_tokens, num_k_heads, num_v_heads, k_dim, v_dim = 70, 2, 4, 32, 16
     q = torch.randn(1, num_tokens, num_k_heads, k_dim).to(dtype)
     k = torch.randn(1, num_tokens, num_k_heads, k_dim).to(dtype)

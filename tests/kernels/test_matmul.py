@@ -11,6 +11,8 @@ from kern.kernels.matmul import matmul, reference
         pytest.param(5, 300, 130, torch.float32, True, id="M5-N300-K130-fp32-bias"),
         pytest.param(70, 2048, 64, torch.bfloat16, False, id="M70-N2048-K64-bf16"),
         pytest.param(3, 40, 24, torch.bfloat16, True, id="M3-N40-K24-bf16-bias"),
+        pytest.param(9, 64, 1100, torch.float32, True, id="M9-N64-K1100-fp32-bias-split"),
+        pytest.param(17, 70, 1024, torch.bfloat16, False, id="M17-N70-K1024-bf16-split"),
     ],
 )
 def test_linear_kernel(m, n, k, dtype, bias, assert_close, tol):
@@ -23,7 +25,7 @@ def test_linear_kernel(m, n, k, dtype, bias, assert_close, tol):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("n", "k"), [(96, 80), (512, 128)], ids=str)
+@pytest.mark.parametrize(("n", "k"), [(96, 80), (512, 128), (64, 1024)], ids=str)
 def test_a_rows_bits_do_not_depend_on_its_batch(n, k, dtype):
     """The same row alone, among 3, 16, 64 and 130 rows, at the first, a middle and the last
     place of its batch, and as row 0 of a strided view: the same bits every time."""
@@ -43,9 +45,11 @@ def test_a_rows_bits_do_not_depend_on_its_batch(n, k, dtype):
 
 def test_tile_depends_on_the_weight_only():
     assert matmul.tile(3072, 1024) == matmul.tile(3072, 1024)
-    for n, k in ((96, 80), (2048, 1024), (151936, 1024)):
-        bm, bn, bk, warps, stages = matmul.tile(n, k)
+    for n, k in ((96, 80), (2048, 1024), (151936, 1024), (64, 1024), (2560, 9728)):
+        bm, bn, bk, warps, stages, splits = matmul.tile(n, k)
         assert bm >= 16 and bn >= 16 and bk >= 16 and warps in (1, 2, 4, 8) and stages >= 1
+        assert 1 <= splits <= max(1, k // bk)
+    assert matmul.tile(64, 1024)[5] > 1  # the split-K path is what the tests above run too
 
 
 def test_mistakes_are_named():

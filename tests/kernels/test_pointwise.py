@@ -31,7 +31,8 @@ COMPOSED = [(sigmoid, torch.sigmoid), (silu, F.silu), (softplus, F.softplus)]
 def test_composed_row_invariant(ours, _, cols):
     """The CPU backend's composed functions: a row's bits are those it gets alone, for any
     row count, with no padding (widths that leave a scalar tail included)."""
-    x = torch.randn(1500, cols, generator=torch.Generator().manual_seed(cols)) * 8
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(1500, cols, generator=gen, device="cpu").to(torch.get_default_device()) * 8
     alone = [ours(x[i : i + 1])[0] for i in range(3)]
     for num_rows in (2, 3, 17, x.shape[0]):
         got = ours(x[:num_rows])

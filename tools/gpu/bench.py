@@ -217,16 +217,14 @@ def _sweep(matmul, models: dict, dtype, bench) -> dict:
     tile(); kern does not run them."""
     dev = device()
     tiles = [
-        (bm, bn, bk, warps, stages)
-        for bm in (16, 64)
+        (64, bn, bk, 4, 3, splits)
         for bn in (32, 64, 128)
         for bk in (64, 128)
-        for warps in (4, 8)
-        for stages in (3,)
+        for splits in (1, 2, 4)
     ]
     found: dict = {}
     print()
-    print("| model | linear | M | tile() ms | best tiles (BM, BN, BK, warps, stages): ms |")
+    print("| model | linear | M | tile() ms | best tiles (BM, BN, BK, warps, stages, splits): ms |")
     print("| --- | --- | ---: | ---: | --- |")
     for model, sizes in models.items():
         for name, n, k in linear_shapes(sizes):

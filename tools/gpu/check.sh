@@ -11,14 +11,17 @@
 #                wheel from scripts/build-wheel and what the machine's Python lacks, from
 #                constraints.txt's pins) into a fresh folder, and run with the machine's python3
 # --cpu          the CPU mode even where a GPU is present
-# --only STEPS   some of: env, kernels, gemm, e2e, decode (default: all, in that order)
+# --only STEPS   some of: env, kernels, gemm, decode, e2e (default: all, in that order)
 # --models M...  decode: qwen3-0.6b and/or qwen3-4b (default both; making the ~4B takes minutes)
+# --targets A,B  e2e: some of tools/e2e/gpu.toml's targets (default all)
+# --e2e-limit S  e2e: its time limit in seconds (default 300)
 # Without --wheels it uses .venv (scripts/setup makes it when missing).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
 out=${OUT:-$root/tools/gpu/out}
-wheels="" cpu=0 only="env,kernels,gemm,e2e,decode" models="qwen3-0.6b qwen3-4b"
+wheels="" cpu=0 only="env,kernels,gemm,decode,e2e" models="qwen3-0.6b qwen3-4b"
+targets="" e2e_limit=300
 while [ $# -gt 0 ]; do
   case $1 in
     --out) out=$2; shift 2 ;;
@@ -26,6 +29,8 @@ while [ $# -gt 0 ]; do
     --cpu) cpu=1; shift ;;
     --only) only=$2; shift 2 ;;
     --models) models=$2; shift 2 ;;
+    --targets) targets="--targets $2"; shift 2 ;;
+    --e2e-limit) e2e_limit=$2; shift 2 ;;
     *) echo "tools/gpu/check.sh: unknown argument $1 (see the header of this file)" >&2; exit 2 ;;
   esac
 done
@@ -100,14 +105,16 @@ step env 30 "$py" tools/gpu/bench.py env
 if [ $gpu = 1 ]; then
   step kernels 90 env KERN_KERNEL_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider tests/kernels
   step gemm 110 "$py" tools/gpu/bench.py gemm --json "$out/gemm.json"
-  step e2e 170 "$py" tools/e2e/e2e.py --config tools/e2e/gpu.toml --out "$work/e2e" --timeout 300
   # shellcheck disable=SC2086
   step decode 150 "$py" tools/gpu/bench.py decode --models $models --work "$work/models" --json "$out/decode.json"
+  # shellcheck disable=SC2086
+  step e2e "$e2e_limit" "$py" tools/e2e/e2e.py --config tools/e2e/gpu.toml $targets --out "$work/e2e" --timeout 300
 else
   step kernels 300 env KERN_KERNEL_DEVICE=cpu "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_matmul.py
   step gemm 300 env TRITON_INTERPRET=1 "$py" tools/gpu/bench.py gemm --small
-  step e2e 120 "$py" tools/e2e/e2e.py --config tools/e2e/gpu.toml --out "$work/e2e"
   step decode 300 "$py" tools/gpu/bench.py decode --small --work "$work/models"
+  # shellcheck disable=SC2086
+  step e2e 120 "$py" tools/e2e/e2e.py --config tools/e2e/gpu.toml $targets --out "$work/e2e"
 fi
 [ -f "$work/e2e/summary.md" ] && cp "$work/e2e/summary.md" "$out/e2e-summary.md"
 

@@ -98,18 +98,23 @@ class CudaOps:
 
     def plan_attention(self, step: Step, kv_arena: Tensor, group: int):
         dev = self.device
+        # The Triton kernel's tiles, once per step from host values: per layer they would
+        # cost a device synchronisation each (the reference takes none).
+        tiles = getattr(self._attn, "attention_tiles", None)
         return _CudaAttentionPlan(
             block_tables=step.block_tables.to(device=dev, dtype=torch.int32),
             seq_lens=torch.tensor(step.ctx_lens, dtype=torch.int32, device=dev),
             query_start_loc=_query_start_loc(step, dev),
+            tiles=tiles(_starts(step), group, dev) if tiles is not None else None,
         )
 
     def attention(self, step: Step, q: Tensor, kv_cache: Tensor, scale: float) -> Tensor:
         p = step.attention
         k_cache, v_cache = self.kv_views(kv_cache)
-        return self._attn.paged_attention(
-            q, k_cache, v_cache, p.block_tables, p.seq_lens, p.query_start_loc, scale
-        )
+        args = (q, k_cache, v_cache, p.block_tables, p.seq_lens, p.query_start_loc, scale)
+        if p.tiles is None:
+            return self._attn.paged_attention(*args)
+        return self._attn.paged_attention(*args, tiles=p.tiles)
 
     def plan_recurrent(
         self, step: Step, slots: list[int], snapshot_seqs: list[int], conv_width: int
@@ -187,6 +192,7 @@ class _CudaAttentionPlan:
     block_tables: Tensor
     seq_lens: Tensor
     query_start_loc: Tensor
+    tiles: tuple[Tensor, Tensor] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +214,9 @@ def _runs(weight: Tensor) -> list[tuple[int, int]]:
     return runs
 
 
+def _starts(step: Step) -> list[int]:
+    return step.q_starts + [step.q_starts[-1] + step.q_lens[-1]]
+
+
 def _query_start_loc(step: Step, device: torch.device) -> Tensor:
-    return torch.tensor(
-        step.q_starts + [step.q_starts[-1] + step.q_lens[-1]], dtype=torch.int32, device=device
-    )
+    return torch.tensor(_starts(step), dtype=torch.int32, device=device)

@@ -3,12 +3,16 @@
 Design notes:
 - A row's bits must not depend on how many rows share the call (kern's identity promise):
   cuBLAS picks its kernel, tiling and split-K by M, so the CUDA backend does not use it.
-- The tile (BM, BN, BK, warps, stages) is a pure function of (N, K) (:func:`tile`), never of
-  M, and never timed: an autotuner keyed without M still picks by timing, which differs
-  between processes (``kern run`` against the server). No split-K: each output element is
-  one program's float32 accumulation over K in BK steps, in order; a row's place inside its
-  BM tile does not change its MMA reduction order.
-- Bias is added in float32 after the K loop; one rounding to x.dtype at the store.
+- The tile (BM, BN, BK, warps, stages, splits) is a pure function of (N, K) (:func:`tile`),
+  never of M, and never timed: an autotuner keyed without M still picks by timing, which
+  differs between processes (``kern run`` against the server). A row's place inside its BM
+  tile does not change its MMA reduction order.
+- Split-K, fixed by (N, K) too: weights with few BN columns (an H200 has 132 SMs) cut K into
+  ``splits`` ranges, each program writes its float32 partial sum, and a second kernel adds
+  the partials in range order. Each output element is thus the same float32 sums in the
+  same order whatever M is. Measured on an H200 (tools/gpu/bench.py): without it the
+  down projections ran 1.8-3x cuBLAS's time.
+- Bias is added in float32 after the K sums; one rounding to x.dtype at the store.
 """
 
 import torch
@@ -18,13 +22,26 @@ from torch import Tensor
 
 from .._triton import check_device, dot
 
+# Programs a call aims for before it splits K (an H200 has 132 SMs; two waves of them).
+TARGET_PROGRAMS = 256
+REDUCE_BLOCK = 1024
 
-def tile(n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BM, BN, BK, num_warps, num_stages) for an [N, K] weight: fixed per shape. Narrow
-    weights take narrow BN so that decode, which reads the weight once, spreads over more
-    programs."""
-    bn = 128 if n >= 16384 else 64 if n >= 2048 else 32
-    return 64, bn, 64 if k >= 64 else 32, 4, 4
+Tile = tuple[int, int, int, int, int, int]  # BM, BN, BK, num_warps, num_stages, splits
+
+
+def tile(n: int, k: int) -> Tile:
+    """(BM, BN, BK, num_warps, num_stages, splits) for an [N, K] weight: a function of the
+    weight's shape only (see the notes). BN 32 except for vocabulary-sized N, BK 128 where K
+    allows: the best of the tiles timed on an H200 at M = 1 and 64 for qwen3's linears."""
+    if n > 24576:
+        bn, bk, warps = 128, 64, 8
+    else:
+        bn, bk, warps = 32, (128 if k >= 1024 else 64 if k >= 64 else 32), 4
+    programs = triton.cdiv(n, bn)
+    splits = 1
+    if programs < TARGET_PROGRAMS:
+        splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), k // (4 * bk)))
+    return 64, bn, bk, warps, 3, splits
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -36,33 +53,54 @@ def linear_kernel(
     M,
     N,
     K,
+    K_PER,
     stride_x,
     stride_w,
     stride_y,
+    stride_s,
     HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    i_m, i_n, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_m = i_m * BM + tl.arange(0, BM)
     o_n = i_n * BN + tl.arange(0, BN)
     m_m, m_n = o_m < M, o_n < N
+    k_lo = i_s * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_lo, k_hi, BK):
         o_k = k0 + tl.arange(0, BK)
-        m_k = o_k < K
-        b_x = tl.load(
-            x + o_m[:, None] * stride_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0
-        )
-        b_w = tl.load(
-            w + o_n[None, :] * stride_w + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0
-        )
+        m_k = o_k < k_hi
+        p_x = x + o_m[:, None] * stride_x + o_k[None, :]
+        b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        p_w = w + o_n[None, :] * stride_w + o_k[:, None]
+        b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
         acc += dot(b_x, b_w)
+    m_y = m_m[:, None] & m_n[None, :]
+    if PARTIAL:
+        # float32 partial sums of this K range: [splits, M, N], rows of stride_y
+        tl.store(y + i_s * stride_s + o_m[:, None] * stride_y + o_n[None, :], acc, mask=m_y)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y + o_m[:, None] * stride_y + o_n[None, :], acc.to(y.dtype.element_ty), mask=m_y)
+
+
+@triton.jit(do_not_specialize=["MN"])
+def add_partials_kernel(
+    parts, b, y, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < MN
+    acc = tl.load(parts + o, mask=m, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(parts + s * MN + o, mask=m, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b + o_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-    p_y = y + o_m[:, None] * stride_y + o_n[None, :]
-    tl.store(p_y, acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+        acc += tl.load(b + o % N, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + o, acc.to(y.dtype.element_ty), mask=m)
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -79,35 +117,43 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return linear_tiled(x, w, bias, tile(w.shape[0], x.shape[1]))
 
 
-def linear_tiled(
-    x: Tensor, w: Tensor, bias: Tensor | None, tile_: tuple[int, int, int, int, int]
-) -> Tensor:
-    """`linear` with a given (BM, BN, BK, num_warps, num_stages): for timing other tiles
-    (tools/gpu/bench.py); kern itself runs `tile(N, K)` only. x and w as `linear` leaves them."""
+def linear_tiled(x: Tensor, w: Tensor, bias: Tensor | None, tile_: Tile) -> Tensor:
+    """`linear` with a given tile: for timing other tiles (tools/gpu/bench.py); kern itself
+    runs `tile(N, K)` only. x and w as `linear` leaves them."""
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    bm, bn, bk, warps, stages = tile_
+    bm, bn, bk, warps, stages, splits = tile_
+    k_per = triton.cdiv(triton.cdiv(k, splits), bk) * bk
+    splits = triton.cdiv(k, k_per)
     has_bias = bias is not None
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    linear_kernel[grid](
+    out = y if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), splits)](
         x,
         w,
         bias if has_bias else y,
-        y,
+        out,
         m,
         n,
         k,
+        k_per,
         x.stride(0),
         w.stride(0),
-        y.stride(0),
+        n,
+        m * n,
         HAS_BIAS=has_bias,
+        PARTIAL=splits > 1,
         BM=bm,
         BN=bn,
         BK=bk,
         num_warps=warps,
         num_stages=stages,
     )
+    if splits > 1:
+        add_partials_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            out, bias if has_bias else y, y, m * n, n,
+            SPLITS=splits, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
+        )  # fmt: skip
     return y

@@ -191,6 +191,25 @@ def paged_attention_kernel(
     tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_row[:, None] & m_d[None, :])
 
 
+def attention_tiles(
+    query_start_loc: list[int], group: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """The kernel's work list for a call: per tile, its sequence and first query token (host
+    values in, two int32 device tensors out; the tiles are in sequence order)."""
+    if group > BLOCK_M:
+        raise ValueError(f"GQA group {group} exceeds BLOCK_M = {BLOCK_M}")
+    per_tile = BLOCK_M // group
+    tile_seq, tile_start = [], []
+    for b in range(len(query_start_loc) - 1):
+        for t0 in range(0, query_start_loc[b + 1] - query_start_loc[b], per_tile):
+            tile_seq.append(b)
+            tile_start.append(t0)
+    return (
+        torch.tensor(tile_seq, dtype=torch.int32, device=device),
+        torch.tensor(tile_start, dtype=torch.int32, device=device),
+    )
+
+
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -199,10 +218,14 @@ def paged_attention(
     seq_lens: Tensor,
     query_start_loc: Tensor,
     scale: float,
+    tiles: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """See `reference.paged_attention`. Pure: returns a new [T, Hq, D] tensor in q.dtype.
 
-    page_tokens must be a power of two; the caches' last dim must be contiguous.
+    page_tokens must be a power of two; the caches' last dim must be contiguous. ``tiles``
+    is `attention_tiles` of the same query_start_loc, made once per step by a caller that
+    calls this for every layer; without it each call reads query_start_loc back to the host
+    (a device synchronisation per layer).
     """
     check_device(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check_cache(k_cache, v_cache)
@@ -217,17 +240,12 @@ def paged_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     o = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    starts = query_start_loc.tolist()
-    tile_seq, tile_start = [], []
-    for b in range(len(starts) - 1):
-        for t0 in range(0, starts[b + 1] - starts[b], tokens_per_tile):
-            tile_seq.append(b)
-            tile_start.append(t0)
-    if not tile_seq:
+    if tiles is None:
+        tiles = attention_tiles(query_start_loc.tolist(), group, q.device)
+    tile_seq_t, tile_start_t = tiles
+    if tile_seq_t.numel() == 0:
         return o
-    tile_seq_t = torch.tensor(tile_seq, dtype=torch.int32, device=q.device)
-    tile_start_t = torch.tensor(tile_start, dtype=torch.int32, device=q.device)
-    paged_attention_kernel[(len(tile_seq), num_kv_heads)](
+    paged_attention_kernel[(tile_seq_t.numel(), num_kv_heads)](
         q,
         k_cache,
         v_cache,
