@@ -179,7 +179,8 @@ def _run_target(
         results = [Result("kern test", status="n/a", notes=["checks one rank's backend"])]
     else:
         results = [run_kern_test(kern, config, target.name, args.timeout)]
-    _log(f"  kern test: {results[0].status}")
+    first = results[0].failures[:1]
+    _log(f"  kern test: {results[0].status}" + (f" ({first[0]})" if first else ""))
     oracle = Oracle(
         kern,
         config,

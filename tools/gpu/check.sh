@@ -110,7 +110,8 @@ if [ $gpu = 1 ]; then
   # shellcheck disable=SC2086
   step e2e "$e2e_limit" "$py" tools/e2e/e2e.py --config tools/e2e/gpu.toml $targets --out "$work/e2e" --timeout 300
 else
-  step kernels 300 env KERN_KERNEL_DEVICE=cpu "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_matmul.py
+  # the kernel tests themselves run in pytest on the CPU; here only that the step works
+  step kernels 300 env KERN_KERNEL_DEVICE=cpu "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_matmul.py -k "tile or mistakes"
   step gemm 300 env TRITON_INTERPRET=1 "$py" tools/gpu/bench.py gemm --small
   step decode 300 "$py" tools/gpu/bench.py decode --small --work "$work/models"
   # shellcheck disable=SC2086

@@ -2,9 +2,10 @@
 
 Design notes
 ------------
-* Written to the kernels' documented signatures; no GPU has run it, but
-  ``tests/test_runner.py`` runs it with the Triton interpreter on CPU tensors (float32)
-  against the CPU backend. It makes no invariance promise beyond what the kernels document.
+* Written to the kernels' documented signatures; ``tests/test_runner.py`` runs it with the
+  Triton interpreter on CPU tensors (float32) against the CPU backend, and
+  ``tools/gpu/check.sh`` on a GPU (first run on an H200: docs/performance.md). It makes
+  no invariance promise beyond what the kernels document.
 * Linears go through ``kern.kernels.matmul`` (tile fixed by the weight's shape), not cuBLAS,
   whose kernel and split-K depend on the row count: a row's bits must not depend on its
   batch (the identity promise).

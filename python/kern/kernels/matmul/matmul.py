@@ -7,11 +7,11 @@ Design notes:
   never of M, and never timed: an autotuner keyed without M still picks by timing, which
   differs between processes (``kern run`` against the server). A row's place inside its BM
   tile does not change its MMA reduction order.
-- Split-K, fixed by (N, K) too: weights with few BN columns (an H200 has 132 SMs) cut K into
-  ``splits`` ranges, each program writes its float32 partial sum, and a second kernel adds
-  the partials in range order. Each output element is thus the same float32 sums in the
-  same order whatever M is. Measured on an H200 (tools/gpu/bench.py): without it the
-  down projections ran 1.8-3x cuBLAS's time.
+- Split-K, fixed by (N, K) too: long-K weights with few BN columns cut K into ``splits``
+  ranges, each program writes its float32 partial sum, and a second kernel adds the
+  partials in range order. Each output element is thus the same float32 sums in the same
+  order whatever M is. On an H200 it paid only at K = 9728 (a second launch costs more
+  than it saves on shorter K).
 - Bias is added in float32 after the K sums; one rounding to x.dtype at the store.
 """
 
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .._triton import check_device, dot
 
-# Programs a call aims for before it splits K (an H200 has 132 SMs; two waves of them).
+# A weight with this many BN columns or more never splits K (an H200 has 132 SMs).
 TARGET_PROGRAMS = 256
 REDUCE_BLOCK = 1024
 
@@ -31,17 +31,14 @@ Tile = tuple[int, int, int, int, int, int]  # BM, BN, BK, num_warps, num_stages,
 
 def tile(n: int, k: int) -> Tile:
     """(BM, BN, BK, num_warps, num_stages, splits) for an [N, K] weight: a function of the
-    weight's shape only (see the notes). BN 32 except for vocabulary-sized N, BK 128 where K
-    allows: the best of the tiles timed on an H200 at M = 1 and 64 for qwen3's linears."""
-    if n > 24576:
-        bn, bk, warps = 128, 64, 8
-    else:
-        bn, bk, warps = 32, (128 if k >= 1024 else 64 if k >= 64 else 32), 4
-    programs = triton.cdiv(n, bn)
-    splits = 1
-    if programs < TARGET_PROGRAMS:
-        splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, programs), k // (4 * bk)))
-    return 64, bn, bk, warps, 3, splits
+    weight's shape only (see the notes). Read off the tiles timed on an H200 at M = 1 and 64
+    on qwen3 ~0.6B and ~4B linears (docs/performance.md): BK 128; BN 32 for small weights,
+    64 from 8M elements and for vocabulary-sized N; K split in 4 from K = 8192 (the ~4B down
+    projection: 0.030 ms split against 0.045 whole at M = 1)."""
+    bk = 128 if k >= 1024 else 64 if k >= 64 else 32
+    bn = 64 if n * k >= 8 * 2**20 or n > 24576 else 32
+    splits = 4 if k >= 8192 and triton.cdiv(n, bn) < TARGET_PROGRAMS else 1
+    return 64, bn, bk, 4, 3, splits
 
 
 @triton.jit(do_not_specialize=["M"])
