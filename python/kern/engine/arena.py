@@ -3,7 +3,7 @@ the cache's park and wake plans.
 
 Design notes
 ------------
-* The arena is exactly ``geometry.arena_bytes`` bytes (the pool's chunks, nothing else): page
+* The arena is exactly ``placement.arena_bytes`` bytes (the pool's chunks, nothing else): page
   ``p`` is the ``page_bytes`` at ``p * page_bytes``, slot ``s`` the ``slot_stride`` bytes at
   ``s * slot_stride``. Both views cover the same bytes; the pool's books guarantee that a
   chunk backs pages or slots, never both in use, so when a class takes a chunk from the other
@@ -15,7 +15,7 @@ Design notes
   The device arena starts zeroed all the same, so even a masked read of a never-written page
   sees finite numbers; the host arena is only ever read where a park wrote it, and is left
   unwritten (the OS maps it on first touch).
-* A draft checkpoint's runner views the same device arena (kern.engine.draft): its geometry has the
+* A draft checkpoint's runner views the same device arena (kern.engine.draft): its placement has the
   pool's page stride (``page_stride``, the target's ``page_bytes``) and its own, smaller
   ``page_bytes``, so draft page ``p`` is the first bytes of pool page ``p``. The pool hands
   such pages to requests like any other, so the two models never share a page in use.
@@ -39,7 +39,7 @@ from kern import pool
 from kern.arith import cdiv
 from kern.engine.layout import Layout
 
-__all__ = ["Arena", "Geometry", "land"]
+__all__ = ["Arena", "Placement", "land"]
 
 # A slot's offset and stride are multiples of this many bytes (as the pool's are), so its
 # float32 part can be viewed in place.
@@ -47,10 +47,12 @@ SLOT_ALIGN = 16
 
 
 @dataclass(frozen=True, slots=True)
-class Geometry:
+class Placement:
     """Where page ``p`` (``p * page_bytes``) and slot ``s`` (``slot_offset + s * slot_stride``)
-    sit in an arena of ``arena_bytes``. A pool's geometry aliases the two (offset 0, both
-    spanning the arena); :meth:`separate` gives pages and slots bytes of their own.
+    sit in an arena of ``arena_bytes``: the pool's ``kern.pool.Geometry`` as the runner reads
+    it (:meth:`of_pool`; a plain value that ranks can send to their workers), or an arena of
+    the runner's own. A pool's placement aliases the two (offset 0, both spanning the arena);
+    :meth:`separate` gives pages and slots bytes of their own.
     ``page_stride`` (None: ``page_bytes``) puts page ``p`` at ``p * page_stride`` instead: a
     draft model's pages inside the pool's larger ones (see the design notes)."""
 
@@ -63,11 +65,11 @@ class Geometry:
     page_stride: int | None = None
 
     @classmethod
-    def of_pool(cls, g: pool.Geometry) -> Geometry:
+    def of_pool(cls, g: pool.Geometry) -> Placement:
         return cls(g.page_bytes, g.num_pages, g.slot_stride, g.num_slots, g.arena_bytes)
 
     @classmethod
-    def separate(cls, layout: Layout, num_pages: int, num_slots: int) -> Geometry:
+    def separate(cls, layout: Layout, num_pages: int, num_slots: int) -> Placement:
         """``num_pages`` pages, then ``num_slots`` slots, in one buffer, none shared: for a
         runner that owns its memory outright (``kern run``, tests, benchmarks)."""
         num_slots = num_slots if layout.stateful else 0
@@ -78,7 +80,7 @@ class Geometry:
 
 
 class Arena:
-    """``geometry.arena_bytes`` bytes on ``device``, with typed views:
+    """``placement.arena_bytes`` bytes on ``device``, with typed views:
 
     - ``pages`` [num_pages, *layout.page_shape] and ``page_rows`` [num_pages, page_bytes];
     - for a stateful layout, ``delta`` [num_slots, *delta_shape] (float32), ``conv``
@@ -93,32 +95,32 @@ class Arena:
     def __init__(
         self,
         layout: Layout,
-        geometry: Geometry,
+        placement: Placement,
         device: torch.device,
         *,
         zero: bool = True,
         pin: bool = False,
         buffer: Tensor | None = None,
     ) -> None:
-        if geometry.page_bytes != layout.page_bytes:
+        if placement.page_bytes != layout.page_bytes:
             raise ValueError(
-                f"the pool cuts {geometry.page_bytes}-byte pages, the layout needs "
+                f"the pool cuts {placement.page_bytes}-byte pages, the layout needs "
                 f"{layout.page_bytes}"
             )
-        if layout.stateful and geometry.slot_stride < layout.state_bytes:
+        if layout.stateful and placement.slot_stride < layout.state_bytes:
             raise ValueError(
-                f"the pool's slots are {geometry.slot_stride} bytes apart, a state needs "
+                f"the pool's slots are {placement.slot_stride} bytes apart, a state needs "
                 f"{layout.state_bytes}"
             )
         self.layout = layout
-        self.num_pages = geometry.num_pages
-        self.num_slots = geometry.num_slots if layout.stateful else 0
-        stride = geometry.page_stride or layout.page_bytes
+        self.num_pages = placement.num_pages
+        self.num_slots = placement.num_slots if layout.stateful else 0
+        stride = placement.page_stride or layout.page_bytes
         if stride < layout.page_bytes:
             raise ValueError(f"a page stride of {stride} bytes for {layout.page_bytes}-byte pages")
         if buffer is None:
             make = torch.zeros if zero else torch.empty
-            buffer = make(geometry.arena_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+            buffer = make(placement.arena_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
         elif buffer.numel() < self.num_pages * stride:
             raise ValueError(f"a {buffer.numel()}-byte buffer for {self.num_pages} pages")
         self.buffer = buffer
@@ -130,8 +132,8 @@ class Arena:
         self.delta: Tensor | None = None
         self.conv: Tensor | None = None
         if self.num_slots:
-            stride = geometry.slot_stride
-            first = geometry.slot_offset
+            stride = placement.slot_stride
+            first = placement.slot_offset
             rows = self.buffer[first : first + self.num_slots * stride].view(self.num_slots, stride)
             split = layout.delta_bytes
             self.slot_rows = rows[:, : layout.state_bytes]

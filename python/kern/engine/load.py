@@ -6,7 +6,7 @@ Design notes
 ------------
 * Sizes are computed once: ``Layout.of`` says what a page and a slot hold for this model on
   this backend; the cache's pool cuts the budgets into chunks from those byte counts; the
-  runner allocates exactly the arenas the pool's geometry describes (one device arena of
+  runner allocates exactly the arenas the pool's Geometry describes (one device arena of
   ``num_chunks * chunk_bytes``, within one chunk of ``pool_bytes``; one host arena likewise
   for ``host_bytes``). Nothing is sized twice, so nothing has to be checked against itself.
 * Everything here runs on the thread that will run the scheduler (``start_scheduler``): the
@@ -25,7 +25,7 @@ Design notes
   shard (the pool's pages hold its heads), its books are built in the same order, the ranks
   start (``kern.engine.ranks.launch.Ranks``) just before the weights are read, each rank
   reading its own shard, and the runner is rank 0's ``RankedRunner`` over the pool's
-  geometry, which every rank's arena takes too; the budgets are per rank.
+  placement, which every rank's arena takes too; the budgets are per rank.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 
 from kern.backend import Ops, make_ops
 from kern.checkpoint import Checkpoint, load_checkpoint
-from kern.engine.arena import Geometry
+from kern.engine.arena import Placement
 from kern.engine.draft import check_draft_target, draft_layout
 from kern.engine.layout import Layout
 from kern.engine.ranks.launch import Ranks, rank_device
@@ -124,13 +124,13 @@ class Engine:
             ckpt = ranks.load()
         if cache is None:
             cache = _cache(target, layout, default_pool_bytes(ops.device), state_bytes)
-        geometry = Geometry.of_pool(cache.device)
-        host = None if cache.host is None else Geometry.of_pool(cache.host)
+        placement = Placement.of_pool(cache.device)
+        host = None if cache.host is None else Placement.of_pool(cache.host)
         runner: Runner | RankedRunner
         if ranks is None:
-            runner = Runner(ckpt, ops, layout, geometry, host)
+            runner = Runner(ckpt, ops, layout, placement, host)
         else:
-            runner = ranks.runner(ckpt, layout, geometry, host)
+            runner = ranks.runner(ckpt, layout, placement, host)
         draft = None
         if target.draft_checkpoint is not None:
             assert draft_lay is not None and isinstance(runner, Runner)

@@ -27,7 +27,7 @@ Design notes
   rows of the last forward. Attention KV needs no rewind: rejected positions are simply
   overwritten when the sequence gets there again.
 * A draft checkpoint's runner (:meth:`Runner.draft_runner`) views this runner's device arena
-  with a layout of its own: its pages are the first bytes of pool pages (``Geometry.page_stride``
+  with a layout of its own: its pages are the first bytes of pool pages (``Placement.page_stride``
   is the pool's page size), so the draft's KV comes from the same pool and budget, and this
   runner still owns the one tensor both read.
 * Park and wake plans land as one batched copy per arena per list (``kern.engine.arena.land``).
@@ -45,7 +45,7 @@ from kern.backend import Ops, make_ops
 from kern.batch import build_step, validate
 from kern.checkpoint import Checkpoint
 from kern.chunk import SeqChunk
-from kern.engine.arena import Arena, Geometry, land
+from kern.engine.arena import Arena, Placement, land
 from kern.engine.layout import Layout
 from kern.models import Caches, build_model
 from kern.pool import CopyPlan
@@ -54,9 +54,9 @@ __all__ = ["Runner"]
 
 
 class Runner:
-    """Runs a checkpoint's model on ``ops``' device over the arena ``geometry`` cuts (and a
+    """Runs a checkpoint's model on ``ops``' device over the arena ``placement`` cuts (and a
     host arena for parked cache entries when ``host`` is given). ``layout`` must be the one
-    the geometry was sized from (``Layout.of(config, ops.dtype, page_tokens)``).
+    the placement was sized from (``Layout.of(config, ops.dtype, page_tokens)``).
 
     :meth:`with_pages` builds one over pages and slots of its own, without a pool;
     :meth:`draft_runner` one for a draft checkpoint over this one's pool pages.
@@ -67,16 +67,16 @@ class Runner:
         checkpoint: Checkpoint,
         ops: Ops,
         layout: Layout,
-        geometry: Geometry,
-        host: Geometry | None = None,
+        placement: Placement,
+        host: Placement | None = None,
         *,
         buffer: Tensor | None = None,
     ) -> None:
         if layout.dtype != ops.dtype:
             raise ValueError(f"the layout is {layout.dtype}, the backend computes {ops.dtype}")
-        if geometry.num_pages < 1:
+        if placement.num_pages < 1:
             raise ValueError("the arena holds no page")
-        if layout.stateful and geometry.num_slots < 1:
+        if layout.stateful and placement.num_slots < 1:
             raise ValueError("a stateful model needs at least one state slot")
         self.ops = ops
         self.config = c = checkpoint.config
@@ -86,8 +86,8 @@ class Runner:
         self.dtype = ops.dtype
         self.page_tokens = layout.page_tokens
         self.stateful = layout.stateful
-        self.arena = Arena(layout, geometry, ops.device, buffer=buffer)
-        self.geometry = geometry
+        self.arena = Arena(layout, placement, ops.device, buffer=buffer)
+        self.placement = placement
         self.num_pages = self.arena.num_pages
         self.num_slots = self.arena.num_slots
         # The host tier: written only by parks and read only by wakes, so left unwritten.
@@ -123,20 +123,20 @@ class Runner:
             raise ValueError(
                 f"{checkpoint.config.model_type} keeps a recurrent state: num_slots must be >= 1"
             )
-        return cls(checkpoint, ops, layout, Geometry.separate(layout, num_pages, num_slots))
+        return cls(checkpoint, ops, layout, Placement.separate(layout, num_pages, num_slots))
 
     def draft_runner(self, checkpoint: Checkpoint, layout: Layout) -> Runner:
         """A runner for ``checkpoint`` (a draft model, ``layout`` from
         ``kern.engine.draft.draft_layout``) whose page ``p`` is the first ``layout.page_bytes`` of
         this runner's page ``p``, and slot ``s`` (a stateful draft) this arena's slot ``s``:
         the same arena bytes, so the same pool's pages and slots. Raises ``ValueError`` when
-        the layout's pages or states do not fit this runner's geometry."""
-        g = self.geometry
+        the layout's pages or states do not fit this runner's placement."""
+        g = self.placement
         if layout.page_bytes > g.page_bytes:
             raise ValueError(
                 f"a {layout.page_bytes}-byte draft page does not fit a {g.page_bytes}-byte page"
             )
-        geometry = Geometry(
+        placement = Placement(
             layout.page_bytes,
             g.num_pages,
             g.slot_stride,
@@ -145,7 +145,7 @@ class Runner:
             g.slot_offset,
             page_stride=g.page_bytes,
         )
-        return Runner(checkpoint, self.ops, layout, geometry, buffer=self.arena.buffer)
+        return Runner(checkpoint, self.ops, layout, placement, buffer=self.arena.buffer)
 
     @torch.inference_mode()
     def forward(self, batch: Sequence[SeqChunk]) -> Tensor:

@@ -19,7 +19,7 @@ Design notes
   ``keep_rows``) is broadcast once (``broadcast_object_list`` on the control group: the
   batch of ``SeqChunk`` values and the plans as bytes), then every rank runs the same method
   on its own runner, over its shard of the weights and of the arena. Every rank's arena has
-  the same geometry (rank 0's pool books, sent once at start), so page and slot ids mean the
+  the same placement (rank 0's pool books, sent once at start), so page and slot ids mean the
   same everywhere and one plan lands on every rank. The broadcast's time is counted
   (``broadcast_seconds``) and reported by the benchmark.
 * Loading: the engine's one recipe (``kern.engine.load.Engine.load``) asks ``Ranks.start``

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from kern.backend import make_ops
 from kern.checkpoint import Checkpoint
-from kern.engine.arena import Geometry
+from kern.engine.arena import Placement
 from kern.engine.layout import Layout
 from kern.engine.ranks.runner import RankedRunner
 from kern.engine.ranks.shard import Comm, Shard, check_shard, load_shard, shard_model
@@ -79,7 +79,7 @@ class Ranks:
     """Rank 0's side: the processes, the store, the process groups and the watchdog.
 
     Build with :meth:`start`; then :meth:`load` (every rank reads its shard) and
-    :meth:`runner` (every rank builds its runner over one geometry)."""
+    :meth:`runner` (every rank builds its runner over one placement)."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
@@ -149,12 +149,12 @@ class Ranks:
         )
 
     def runner(
-        self, checkpoint: Checkpoint, layout: Layout, geometry: Geometry, host: Geometry | None
+        self, checkpoint: Checkpoint, layout: Layout, placement: Placement, host: Placement | None
     ) -> RankedRunner:
-        """Every rank builds its runner over ``geometry`` (and ``host``); returns rank 0's,
+        """Every rank builds its runner over ``placement`` (and ``host``); returns rank 0's,
         once all are built."""
-        self.send({"geometry": geometry, "host": host})
-        runner = Runner(checkpoint, make_ops(self.device), layout, geometry, host)
+        self.send({"placement": placement, "host": host})
+        runner = Runner(checkpoint, make_ops(self.device), layout, placement, host)
         runner.model = shard_model(runner.model, self.shard, self.comm)
         with self.guard():
             dist.barrier(group=self.control)
@@ -163,7 +163,7 @@ class Ranks:
     def runner_with_pages(self, checkpoint: Checkpoint, num_pages: int) -> RankedRunner:
         """A ranked runner over ``num_pages`` pages and one slot of its own (``kern run``)."""
         layout = Layout.of(checkpoint.config, make_ops(self.device).dtype, self.target.page_tokens)
-        return self.runner(checkpoint, layout, Geometry.separate(layout, num_pages, 1), None)
+        return self.runner(checkpoint, layout, Placement.separate(layout, num_pages, 1), None)
 
     def close(self) -> None:
         """Tell every rank to stop and wait for them (kern run, at its end)."""

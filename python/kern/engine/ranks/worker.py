@@ -89,7 +89,7 @@ def worker(host: str, port: int, rank: int, num_ranks: int, local_rank: int) -> 
     ckpt = load_shard(target.checkpoint, shard, device=device, dtype=target.dtype)
     layout = Layout.of(ckpt.config, make_ops(device).dtype, target.page_tokens)
     sizes = receive()
-    runner = Runner(ckpt, make_ops(device), layout, sizes["geometry"], sizes["host"])
+    runner = Runner(ckpt, make_ops(device), layout, sizes["placement"], sizes["host"])
     runner.model = shard_model(runner.model, shard, Comm(None, num_ranks))
     dist.barrier(group=control)
     while True:
