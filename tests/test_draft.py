@@ -338,7 +338,9 @@ def test_served_with_a_draft_is_kern_run_at_rows_5_and_1(tmp_path, tiny_dir, dra
         assert 0 < accepted < drafted
         print(f"served with a draft: {accepted:.0f} of {drafted:.0f} draft tokens accepted")
         s.assert_no_leak()
-        body = {"model": MODEL, "prompt": prompts[1], "max_tokens": 400, "ignore_eos": True}
+        # 2,000 tokens (125 of the pool's 512 pages): at rows 5 a 400-token answer could end
+        # before a client on a loaded machine had read its 8 events and hung up.
+        body = {"model": MODEL, "prompt": prompts[1], "max_tokens": 2000, "ignore_eos": True}
         with s.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             for n, _ in enumerate(r.iter_lines()):
                 if n == 8:
