@@ -107,6 +107,24 @@ def test_preemption_of_the_youngest(tiny_dir):
     h.assert_idle_and_clean()
 
 
+def test_priority_orders_admission(qwen3):
+    # One running at a time: the waiting queue admits the lowest priority first, equal ones
+    # in arrival order (vLLM's priority), and answers are unchanged.
+    h = fresh(qwen3, max_running=1)
+    first = h.submit(prompt(60, 9), 4, ignore_eos=True)
+    h.step()
+    assert first.t_admit > 0
+    late = h.submit(prompt(61, 9), 4, ignore_eos=True, priority=5)
+    plain = [h.submit(prompt(62 + i, 9), 4, ignore_eos=True) for i in range(2)]
+    urgent = h.submit(prompt(64, 9), 4, ignore_eos=True, priority=-3)
+    h.run()
+    order = sorted([late, *plain, urgent], key=lambda r: r.t_admit)
+    assert order == [urgent, *plain, late]
+    for r in [first, late, *plain, urgent]:
+        h.assert_identical(r)
+    h.assert_idle_and_clean()
+
+
 def test_parking_under_pressure_then_waking(qwen3):
     h = fresh(qwen3)
     m = h.sched.metrics

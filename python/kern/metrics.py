@@ -19,9 +19,11 @@ Design notes
   ``free + held + cached == total``, where total is the slots the slot class has now (it grows
   from free chunks on demand).
 * A request of ``n`` choices is ``n`` sequences: its prompt counts once
-  (``Request.counts_prompt``); every sequence counts in the request histograms and in
-  ``request_success`` by its own finish reason. ``abort`` is a client that hung up, a shutdown,
-  or a request the scheduler could not admit; a stop string is ``stop``.
+  (``Request.counts_prompt``: the prompt tokens, the prompt-length histogram and the prefix
+  cache's queries and hits, all from its first sequence); every sequence counts in the
+  request histograms and in ``request_success`` by its own finish reason. ``abort`` is a
+  client that hung up, a shutdown, or a request the scheduler could not admit; a stop string
+  is ``stop``.
 """
 
 from __future__ import annotations
@@ -120,11 +122,12 @@ class Metrics:
         )
         self.prefix_queries = counter(
             "kern_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache: vllm:prefix_cache_queries.",
+            "Prompt tokens looked up in the prefix cache, once per request: "
+            "vllm:prefix_cache_queries.",
         )
         self.prefix_hits = counter(
             "kern_prefix_cache_hits",
-            "Prompt tokens the prefix cache supplied: vllm:prefix_cache_hits.",
+            "Prompt tokens the prefix cache supplied, once per request: vllm:prefix_cache_hits.",
         )
         self.preemptions = counter(
             "kern_num_preemptions", "Running requests preempted: vllm:num_preemptions."

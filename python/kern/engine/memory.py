@@ -169,13 +169,14 @@ class Memory:
             # The first admission (a preempted request resumes without counting again).
             req.cached_tokens = hit
             req.t_admit = time.perf_counter()
-            m = self.metrics
-            m.queue_time.observe(req.t_admit - req.t_submit)
-            m.prefix_queries.inc(len(req.prompt_ids))
-            if hit:
-                m.prefix_hits.inc(hit)
+            metrics = self.metrics
+            metrics.queue_time.observe(req.t_admit - req.t_submit)
             if req.counts_prompt:
-                m.prompt_tokens.inc(len(req.prompt_ids))
+                # A prompt of n choices is looked up once, as it is counted once.
+                metrics.prefix_queries.inc(len(req.prompt_ids))
+                if hit:
+                    metrics.prefix_hits.inc(hit)
+                metrics.prompt_tokens.inc(len(req.prompt_ids))
         return True
 
     def _usable_hit(self, m: Match, cap: int) -> int:

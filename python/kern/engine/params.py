@@ -34,6 +34,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Only these ids may be sampled (every other logit set to -inf); None: any.
+    allowed_token_ids: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -46,6 +48,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
 
     @property
     def greedy(self) -> bool:
@@ -53,12 +57,13 @@ class SamplingParams:
 
     @property
     def processes(self) -> bool:
-        """Whether the logits change before the choice (penalties or a bias)."""
+        """Whether the logits change before the choice (penalties, a bias or allowed ids)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
+            or self.allowed_token_ids is not None
         )
 
 

@@ -48,8 +48,12 @@ class Request:
     # Structured output: a matcher the sampler masks with and this thread feeds each token
     # (kern.engine.structured.Matcher; opaque here).
     grammar: Any = None
-    # False for the 2nd..nth sequence of a request of n choices: its prompt counts once.
+    # False for the 2nd..nth sequence of a request of n choices: its prompt counts once (in
+    # the prompt and prefix-cache metrics).
     counts_prompt: bool = True
+    # Admission order: lower first, equal ones in arrival order (vLLM's ``priority``); the
+    # highest is preempted first.
+    priority: int = 0
     # Opaque to the scheduler: where the app routes this request's events.
     sink: Any = None
     index: int = 0

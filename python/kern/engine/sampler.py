@@ -10,12 +10,13 @@ Design notes
   token i uses draw index i, as plain decoding would), without a generator object per request
   to carry, park or restore. A request without a seed gets a fresh random one per draw.
 * Logits processing, per row, before greedy or random choice (vLLM's meanings): ``logit_bias``
-  added; ``repetition_penalty`` over the prompt and output tokens (a positive logit divided by
-  it, a negative one multiplied); ``frequency_penalty`` times each output token's count and
-  ``presence_penalty`` once per output token seen, subtracted (OpenAI's); tokens ``banned``
-  (end of sequence and stop ids before ``min_tokens``) set to -inf; then a structured-output
-  grammar's mask (kern.engine.structured). Each touches its own row only, so a request's answer does
-  not depend on its batch.
+  added; every id outside ``allowed_token_ids`` (when set) to -inf; ``repetition_penalty``
+  over the prompt and output tokens (a positive logit divided by it, a negative one
+  multiplied); ``frequency_penalty`` times each output token's count and ``presence_penalty``
+  once per output token seen, subtracted (OpenAI's); tokens ``banned`` (end of sequence and
+  stop ids before ``min_tokens``) set to -inf; then a structured-output grammar's mask
+  (kern.engine.structured). Each touches its own row only, so a request's answer does not
+  depend on its batch.
 * Filtering is the usual order: temperature, then top-k, then top-p (the smallest set of
   most likely tokens whose probability reaches top_p; ties in rank are broken by token id),
   then min-p (tokens below ``min_p`` times the top probability), then inverse-CDF sampling in
@@ -206,6 +207,16 @@ def _process(
         biases = [_bias(p.logit_bias) for p in params]
         r, t, v = pairs([b[0] for b in biases], torch.cat([b[1] for b in biases]))
         x.index_put_((r, t), v, accumulate=True)
+    if any(p.allowed_token_ids is not None for p in params):
+        keep = torch.ones_like(x, dtype=torch.bool)
+        limited = [k for k, p in enumerate(params) if p.allowed_token_ids is not None]
+        keep[limited] = False
+        allowed = [
+            _banned(p.allowed_token_ids) if p.allowed_token_ids is not None else _NO_IDS
+            for p in params
+        ]
+        keep[pairs(allowed)] = True
+        x = x.masked_fill(~keep, -torch.inf)
     rep = [p.repetition_penalty for p in params]
     pen = [bool(p.presence_penalty or p.frequency_penalty) for p in params]
     tokens = [

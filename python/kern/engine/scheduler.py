@@ -5,19 +5,20 @@ reached through kern.engine.memory, drafts through kern.engine.spec.
 
 Design notes
 ------------
-* Admission is first come, first served: the head of the queue is admitted once the pages for
-  its whole prompt can be had (making room from the cache if need be), so a prefill never
-  preempts anyone; how a prefix hit is taken is kern.engine.memory's (``Memory.admit``).
-  With nothing running nothing is locked, so a request that passed :meth:`Scheduler.check`
-  always fits then; the head waits only while others run, and they finish in bounded steps.
-  The loop sleeps on its condition variable when there is nothing to run; it never spins.
+* Admission is first come, first served within a priority (kern.engine.waiting): the head
+  of the queue is admitted once the pages for its whole prompt can be had (making room from
+  the cache if need be), so a prefill never preempts anyone; how a prefix hit is taken is
+  kern.engine.memory's (``Memory.admit``). With nothing running nothing is locked, so a
+  request that passed :meth:`Scheduler.check` always fits then; the head waits only while
+  others run, and they finish in bounded steps. The loop sleeps on its condition variable
+  when there is nothing to run; it never spins.
 * Preemption: a decode that needs a page when nothing is evictable preempts the youngest
-  running request. Its computed tokens and pages go into the prefix tree (with its state, on a
-  stateful model), it unlocks, and it goes back to the head of the queue. The tree's make-room
-  loop then parks those pages to the host tier, or drops them when the host is full; on
-  resume, the request matches its own tokens, waking them (no recompute) or recomputing what
-  was dropped. The oldest request always fits alone (requests that cannot are refused at
-  submit), so this never deadlocks, and no answer is ever cut short.
+  running request of the highest priority value. Its computed tokens and pages go into the
+  prefix tree (with its state, on a stateful model), it unlocks, and it goes back to the
+  front of its priority. The tree's make-room loop then parks those pages to the host tier,
+  or drops them when the host is full; on resume, the request matches its own tokens, waking
+  them (no recompute) or recomputing what was dropped. The first by (priority, arrival)
+  fits alone (others are refused at submit) and is never preempted: no deadlock.
 * The thread talks to the app through two things only: ``submit``/``abort`` (locked inbox,
   a condition variable to wake the thread) and ``deliver``, called once per step with every
   event of that step, so crossing to the event loop costs one call per step, not per token.
@@ -35,7 +36,6 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -45,6 +45,7 @@ from kern.engine.memory import Memory
 from kern.engine.params import Pick
 from kern.engine.request import Event, LimitError, Request
 from kern.engine.spec import Drafter, accept, settle
+from kern.engine.waiting import Waiting
 from kern.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class Scheduler:
         self._inbox: list[Request] = []
         self._poked = False  # a submit or an abort since the loop last looked
         self._stop = False
-        self._waiting: deque[Request] = deque()
+        self._waiting = Waiting()
         self._running: list[Request] = []
         self.memory = Memory(cache, self.runner, self.metrics, self._running)
         self.pt = self.memory.page_tokens
@@ -180,7 +181,7 @@ class Scheduler:
             for req in self._inbox:
                 req.order = self._order
                 self._order += 1
-                self._waiting.append(req)
+                self._waiting.add(req, behind=True)
             self._inbox.clear()
         events: list[tuple[Request, Event]] = []
         self._reap_aborted(events)
@@ -399,7 +400,7 @@ class Scheduler:
             if pages is not None:
                 req.block_table.extend(pages)
                 return True
-            victim = max(self._running, key=lambda r: r.order)
+            victim = max(self._running, key=lambda r: (r.priority, r.order))
             self._preempt(victim)
             if victim is req:
                 return False
@@ -407,7 +408,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self._running.remove(req)
         self.memory.release(req, snapshot=True)
-        self._waiting.appendleft(req)
+        self._waiting.add(req, behind=False)
         self.metrics.preemptions.inc()
 
 

@@ -49,7 +49,9 @@ from torch import Tensor
 
 __all__ = ["Grammars", "Matcher", "StructuredOutputError"]
 
-# Compiled grammars kept (keyed by the schema's canonical JSON).
+# Compiled grammars kept, keyed by the schema's JSON in the request's own key order: the order
+# of ``properties`` is the order the answer's keys come in (as OpenAI and vLLM keep it), so two
+# schemas that differ only in order are two grammars.
 CACHE_SIZE = 64
 # xgrammar 0.2.8 writes the characters of a length-bounded JSON string (maxLength) as
 # [^"\\\r\n]: raw control characters pass, which JSON forbids (seen: a tool call's
@@ -205,7 +207,7 @@ class Grammars:
             )
         if think is not None:
             return self._tag(_sequence(think, _json(schema)), "the JSON schema")
-        key = json.dumps(schema, sort_keys=True)
+        key = json.dumps(schema)
 
         def build() -> Any:
             grammar = self._xgr.Grammar.from_json_schema(key, any_whitespace=False)
@@ -249,7 +251,7 @@ class Grammars:
         return self._tag(_sequence(think, calls), "a tool's parameters schema")
 
     def _tag(self, fmt: dict[str, Any], what: str) -> Any:
-        key = json.dumps({"type": "structural_tag", "format": fmt}, sort_keys=True)
+        key = json.dumps({"type": "structural_tag", "format": fmt})
 
         def build() -> Any:
             grammar = self._xgr.Grammar.from_structural_tag(key)
