@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import sys
 import typing
 
 import httpx
@@ -134,11 +135,32 @@ def test_refused_fields_accept_their_defaults_and_null(server):
             assert r.status_code == 200, (field, v, r.text)
 
 
-def test_unknown_fields_are_accepted_and_logged(server):
+def test_unknown_fields_are_refused_by_name(server):
     r = complete(server, prompt="hi", max_tokens=1, frobnicate=3, other={"x": 1})
-    assert r.status_code == 200
-    out = server.output()
-    assert "ignoring unknown fields 'frobnicate', 'other'" in out
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "frobnicate" and err["code"] == "unknown_parameter", err
+    assert "'frobnicate', 'other'" in err["message"]
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/tokenize", {"prompt": "x"}),
+        ("/detokenize", {"tokens": [72]}),
+    ]:
+        r = server.http.post(path, json={"model": MODEL, **body, "frobnicate": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate", (path, r.text)
+
+
+def test_unknown_fields_are_accepted_and_logged_when_allowed(tmp_path):
+    # KERN_ALLOW_UNKNOWN_FIELDS=1 (read from the environment under hypercorn): vLLM's way.
+    command = [sys.executable, "-m", "hypercorn", "kern.app:app", "--bind", "127.0.0.1:{port}"]
+    srv = Server(tmp_path, "lenient", pool_bytes="2MiB", command=command,
+                 env={"KERN_ALLOW_UNKNOWN_FIELDS": "1"})  # fmt: skip
+    try:
+        r = complete(srv, prompt="hi", max_tokens=1, frobnicate=3, other={"x": 1})
+        assert r.status_code == 200, r.text
+        assert "ignoring unknown fields 'frobnicate', 'other'" in srv.output()
+    finally:
+        srv.close()
 
 
 # --- shapes ---------------------------------------------------------------------------------
@@ -503,3 +525,191 @@ def test_the_official_client_parses_a_pydantic_model(server):
         )
         person = out.choices[0].message.parsed
         assert isinstance(person, Person), out
+
+
+def test_json_schema_keeps_the_property_order(server):
+    # Keys come in the schema's own order (OpenAI's and vLLM's), and a schema that differs
+    # only in order is its own grammar, not the other's cached one.
+    def schema(names):
+        props = {"zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+                 "alpha": {"type": "boolean"}}  # fmt: skip
+        return {"type": "object", "properties": {k: props[k] for k in names},
+                "required": list(names), "additionalProperties": False}  # fmt: skip
+
+    for names in (("zeta", "alpha"), ("alpha", "zeta")):
+        r = chat(server, response_format=_json_format(schema(names)), temperature=0,
+                 max_tokens=100)  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert list(json.loads(r.json()["choices"][0]["message"]["content"])) == list(names)
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema(names)}}
+        r = chat(server, tools=[tool], temperature=0, max_tokens=100,
+                 tool_choice={"type": "function", "function": {"name": "f"}})  # fmt: skip
+        assert r.status_code == 200, r.text
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert list(json.loads(calls[0]["function"]["arguments"])) == list(names)
+
+
+# --- vLLM's request fields ------------------------------------------------------------------
+
+IM_START = 510  # a special token of the tiny tokenizer (not its end of sequence)
+
+
+def test_vllm_fields_refused_by_name_unless_default(server):
+    refused = [
+        ("completions", "bad_words", ["x"]),
+        ("chat", "bad_words", ["x"]),
+        ("completions", "spaces_between_special_tokens", False),
+        ("completions", "return_tokens_as_token_ids", True),
+        ("chat", "chat_template", "{{ messages }}"),
+        ("chat", "echo", True),
+    ]
+    for route, field, value in refused:
+        body = {"max_tokens": 2, field: value}
+        r = (
+            complete(server, prompt="hi", **body)
+            if route == "completions"
+            else chat(server, **body)
+        )
+        assert r.status_code == 400, (route, field, r.text)
+        assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+    defaults = {"bad_words": [], "spaces_between_special_tokens": True,
+                "return_tokens_as_token_ids": False, "skip_special_tokens": True,
+                "add_special_tokens": False, "priority": 0}  # fmt: skip
+    for field, value in defaults.items():
+        for v in (value, None):
+            assert complete(server, prompt="hi", max_tokens=1, **{field: v}).status_code == 200
+            assert chat(server, max_tokens=1, **{field: v}).status_code == 200
+    for v in (False, None):
+        assert chat(server, max_tokens=1, echo=v).status_code == 200
+    assert chat(server, max_tokens=1, chat_template=None).status_code == 200
+
+
+def test_allowed_token_ids_and_skip_special_tokens(server):
+    base = {"prompt": "the cat", "max_tokens": 8, "return_token_ids": True, "ignore_eos": True}
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        got = _ids(complete(server, **base, **extra, allowed_token_ids=[50, 77, 300]))
+        assert set(got) <= {50, 77, 300} and len(got) == 8
+    # Only a special token: its text is left out by default (vLLM's), kept when asked.
+    only = {**base, "temperature": 0, "allowed_token_ids": [IM_START]}
+    out = complete(server, **only).json()["choices"][0]
+    assert out["token_ids"] == [IM_START] * 8 and out["text"] == ""
+    kept = complete(server, **only, skip_special_tokens=False).json()["choices"][0]
+    assert kept["text"] == "<|im_start|>" * 8
+    r = chat(server, max_tokens=3, ignore_eos=True, allowed_token_ids=[IM_START],
+             skip_special_tokens=False, stream=True)  # fmt: skip
+    deltas = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    text = "".join(c["delta"].get("content") or "" for d in deltas for c in d["choices"])
+    assert text == "<|im_start|>" * 3
+    for bad in (
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [99999999]},
+        {"allowed_token_ids": [1], "response_format": {"type": "json_object"}},
+    ):
+        r = complete(server, prompt="hi", max_tokens=2, **bad)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(
+            "allowed_token_ids"
+        ), (bad, r.text)
+
+
+def test_allowed_token_ids_are_batch_invariant(server):
+    cases = [{"prompt": f"batch {i}", "temperature": 0.9, "seed": i, "max_tokens": 8,
+              "return_token_ids": True, "allowed_token_ids": list(range(40 + i, 60 + 3 * i))}
+             for i in range(6)]  # fmt: skip
+    cases += [{"prompt": f"plain {i}", "temperature": 0.9, "seed": i, "max_tokens": 8,
+               "return_token_ids": True} for i in range(3)]  # fmt: skip
+    alone = [_ids(complete(server, **c)) for c in cases]
+    with concurrent.futures.ThreadPoolExecutor(9) as pool:
+        burst = list(pool.map(lambda c: _ids(complete(server, **c)), cases))
+    assert burst == alone
+
+
+def test_add_special_tokens_priority_and_token_strs(server):
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = server.http.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    for special in (False, True):
+        # The tiny (Qwen) tokenizer adds no special tokens: the same ids either way.
+        r = server.http.post("/tokenize", json={"messages": msgs, "add_special_tokens": special})
+        assert r.json()["tokens"] == plain
+        r = chat(server, max_tokens=1, add_special_tokens=special)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(plain)
+        r = complete(server, prompt="hi", max_tokens=1, add_special_tokens=special)
+        assert r.status_code == 200, r.text
+    for priority in (-5, 0, 7):
+        assert complete(server, prompt="hi", max_tokens=1, priority=priority).status_code == 200
+    assert complete(server, prompt="hi", max_tokens=1, priority=1 << 40).status_code == 400
+    r = server.http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    out = r.json()
+    assert out["tokens"] == [72, 319, 108, 111, 265, 266, 108, 100]
+    assert out["token_strs"] == ["H", "el", "l", "o", "Ġw", "or", "l", "d"]
+    assert "token_strs" not in server.http.post("/tokenize", json={"prompt": "x"}).json()
+
+
+# --- tool_choice without tools, stop tokens, metrics ----------------------------------------
+
+
+def test_tool_choice_without_tools_is_a_400(server):
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice in ("auto", "required", named):
+        for tools in ({}, {"tools": None}, {"tools": []}):
+            r = chat(server, max_tokens=2, tool_choice=choice, **tools)
+            assert r.status_code == 400, (choice, tools, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "tool_choice" and "needs tools" in err["message"], err
+    for tools in ({}, {"tools": None}, {"tools": []}):
+        assert chat(server, max_tokens=2, tool_choice="none", **tools).status_code == 200
+
+
+def test_a_stop_token_is_in_the_text_only_when_asked(server):
+    base = {"prompt": "one two", "max_tokens": 16, "temperature": 0, "return_token_ids": True,
+            "ignore_eos": True}  # fmt: skip
+    full = complete(server, **base).json()["choices"][0]
+    ids = full["token_ids"]
+    # A stop token that did not come before, after no special token (whose text the answer
+    # leaves out and /detokenize keeps).
+    plain = [i for i in range(2, len(ids)) if ids[i] not in ids[:i] and max(ids[: i + 1]) < 509]
+    k = plain[0]
+    stop = {"stop_token_ids": [ids[k]]}
+    texts = {}
+    for include in (False, True):
+        body = {**base, **stop, "include_stop_str_in_output": include}
+        whole = complete(server, **body).json()["choices"][0]
+        assert whole["stop_reason"] == ids[k] and whole["token_ids"] == ids[: k + 1]
+        events = _stream_events(server, "/v1/completions", {"model": MODEL, **body})
+        streamed = "".join(c["text"] for e in events for c in e["choices"])
+        assert streamed == whole["text"]
+        texts[include] = whole["text"]
+    server_text = server.http.post("/detokenize", json={"tokens": ids[: k + 1]}).json()["prompt"]
+    assert texts[True] == server_text
+    assert (
+        texts[False] == server.http.post("/detokenize", json={"tokens": ids[:k]}).json()["prompt"]
+    )
+    assert texts[False] != texts[True]
+    # Chat, whole and streamed alike.
+    chat_body = {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    cids = chat(server, **chat_body).json()["choices"][0]["token_ids"]
+    j = next(i for i in range(1, len(cids)) if cids[i] not in cids[:i] and max(cids[: i + 1]) < 509)
+    for include in (False, True):
+        body = {**chat_body, "stop_token_ids": [cids[j]], "include_stop_str_in_output": include}
+        whole = chat(server, **body).json()["choices"][0]
+        msgs = [{"role": "user", "content": "hi"}]
+        events = _stream_events(server, "/v1/chat/completions",
+                                {"model": MODEL, "messages": msgs, **body})  # fmt: skip
+        streamed = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+        assert streamed == whole["message"]["content"]
+        want = server.http.post("/detokenize", json={"tokens": cids[: j + include]}).json()
+        assert whole["message"]["content"] == want["prompt"], (include, whole)
+
+
+def test_prefix_cache_queries_count_a_prompt_once(server):
+    before = server.metrics()
+    r = complete(server, prompt="count me once, please", n=3, max_tokens=2)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    after = server.metrics()
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("kern_prefix_cache_queries_total") == usage["prompt_tokens"]
+    assert delta("kern_prompt_tokens_total") == usage["prompt_tokens"]
+    assert delta("kern_prefix_cache_hits_total") == usage["prompt_tokens_details"]["cached_tokens"]

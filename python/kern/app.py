@@ -26,16 +26,16 @@ from kern.engine.load import Engine
 from kern.engine.request import Event, Request
 from kern.engine.scheduler import Scheduler, start_scheduler
 from kern.engine.structured import Grammars
-from kern.errors import UsageError
-from kern.kern_toml import Target, TomlConfigError
+from kern.kern_toml import Target
 from kern.metrics import Metrics
-from kern.model_config import CheckpointError
-from kern.server import api
+from kern.server import anthropic_messages, api, openai_responses
 from kern.server.api import ApiError
+from kern.server.cors import Cors
 from kern.server.http import JSON, Disconnected, Receive, Scope, Send, respond
 from kern.server.logs import RECORD, RequestRecord, StatsLine, request_id
 from kern.server.openai import OpenAI
 from kern.server.settings import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Settings
+from kern.server.startup import exit_failed_start
 
 __all__ = ["App", "app"]
 
@@ -70,6 +70,8 @@ class App:
         self.api_key: bytes | None = None
         self.max_body = DEFAULT_MAX_BODY_BYTES
         self.body_timeout = DEFAULT_BODY_TIMEOUT
+        # Browser clients' origins (kern.server.cors); None: CORS is off.
+        self.cors: Cors | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
         self._stats_task: asyncio.Task[None] | None = None
@@ -83,7 +85,12 @@ class App:
             "/metrics": ("GET", self._metrics),
             "/version": ("GET", self._version),
             "/openapi.json": ("GET", self._openapi),
+            "/v1/messages": ("POST", self._messages),
+            "/v1/messages/count_tokens": ("POST", self._count_tokens),
+            "/v1/responses": ("POST", self._responses),
         }
+        # Stored Responses API responses (kern.server.openai_responses).
+        self.response_store = openai_responses.ResponseStore()
 
     # --- ASGI -------------------------------------------------------------------------------
 
@@ -102,12 +109,7 @@ class App:
                     try:
                         await asyncio.to_thread(self.start)
                     except Exception as e:
-                        if isinstance(e, UsageError | CheckpointError | TomlConfigError):
-                            log.error("%s", e)  # a user's mistake: one line
-                        else:
-                            traceback.print_exc()
-                        await send({"type": "lifespan.startup.failed", "message": str(e)})
-                        return
+                        exit_failed_start(e)  # one line for a user's mistake, exit 2
                 if self.settings is not None and self.settings.stats_interval > 0:
                     assert self.metrics is not None
                     stats = StatsLine(self.metrics, self.settings.stats_interval)
@@ -131,6 +133,8 @@ class App:
         self.api_key = key.encode() if key else None
         self.max_body = self.settings.max_body
         self.body_timeout = self.settings.body_timeout
+        if self.settings.allowed_origins:
+            self.cors = Cors(self.settings.allowed_origins)
         # Built on the scheduler's own thread: every torch op runs there.
         self.scheduler = start_scheduler(self._load)
         return self.engine
@@ -140,21 +144,26 @@ class App:
         target = self.settings.target
         engine = (self.load_engine or Engine.load)(target)
         self.engine = engine
-        tokenizer = engine.checkpoint.tokenizer
+        tokenizer = self.settings.tokenizer(engine.checkpoint.tokenizer)
         config = engine.checkpoint.config
-        self.metrics = Metrics(target.name, config.max_position_embeddings)
-        scheduler = engine.scheduler(self._deliver, metrics=self.metrics, on_crash=self._crashed)
+        max_len = self.settings.max_model_len or config.max_position_embeddings
+        self.metrics = Metrics(target.name, max_len)
+        scheduler = engine.scheduler(
+            self._deliver, metrics=self.metrics, on_crash=self._crashed, max_model_len=max_len
+        )
         self.openai = OpenAI(
             scheduler,
             tokenizer,
             Grammars(tokenizer, config.vocab_size),
             model_name=target.name,
+            aliases=self.settings.served_model_names,
             vocab_size=config.vocab_size,
-            max_model_len=config.max_position_embeddings,
+            max_model_len=max_len,
             sampling_defaults=sampling_defaults(target.checkpoint),
             reasoning=target.reasoning_parser is not None,
             log_prompts=self.settings.log_prompts,
             created=self.created,
+            allow_unknown_fields=self.settings.allow_unknown_fields,
         )
         return scheduler
 
@@ -186,15 +195,23 @@ class App:
         path = scope["path"]
         record = RequestRecord(request_id(scope["headers"]), scope["method"], path)
         RECORD.set(record)
-        header = (b"x-request-id", record.id.encode())
+        tags = [(b"x-request-id", record.id.encode())]
+        if self.cors is not None:
+            tags += self.cors.headers(scope["headers"])
 
         async def send_tagged(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), header]}
+                message = {**message, "headers": [*message.get("headers", ()), *tags]}
             await send(message)
 
         try:
+            # A CORS preflight before the key: browsers never send it on one.
+            if self.cors is not None:
+                preflight = self.cors.preflight(scope["method"], scope["headers"])
+                if preflight is not None:
+                    await respond(send_tagged, 204, b"", preflight)
+                    return
             # Auth first, for every route but /health: without the key, a client learns
             # nothing, not even which routes exist.
             if path != "/health" and self.api_key is not None:
@@ -202,6 +219,8 @@ class App:
             route = self._routes.get(path)
             if route is None and path.startswith("/v1/models/"):
                 route = ("GET", self._model)
+            if route is None and path.startswith("/v1/responses/"):
+                route = ("GET", self._stored_response)
             if route is None:
                 raise ApiError(404, f"no route {api.echo(path)}", type="not_found_error")
             method, handler = route
@@ -228,25 +247,31 @@ class App:
             await handler(scope, receive, send_tagged)
         except ApiError as e:
             record.error = e.message
-            await respond(send_tagged, e.status, api.error_body(e), [*JSON, *e.headers])
+            # Anthropic's clients read Anthropic's error shape.
+            shape = anthropic_messages.error_body if path.startswith("/v1/messages") else None
+            body = (shape or api.error_body)(e)
+            await respond(send_tagged, e.status, body, [*JSON, *e.headers])
         except Disconnected:
             record.error = "the client disconnected"
         except Exception as e:
             traceback.print_exc()
             err = ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
             record.error = err.message
-            await respond(send_tagged, 500, api.error_body(err))
+            shape = anthropic_messages.error_body if path.startswith("/v1/messages") else None
+            await respond(send_tagged, 500, (shape or api.error_body)(err))
         finally:
             record.log()
 
     def _authorize(self, scope: Scope) -> None:
         assert self.api_key is not None
+        # A bearer token (OpenAI's clients) or x-api-key (Anthropic's), checked alike.
         for k, v in scope["headers"]:
             if k == b"authorization":
                 scheme, _, token = v.partition(b" ")
                 if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
                     return
-                break
+            elif k == b"x-api-key" and hmac.compare_digest(v.strip(), self.api_key):
+                return
         raise ApiError(
             401,
             "missing or wrong API key",
@@ -311,6 +336,22 @@ class App:
     async def _model(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._handlers.model(scope["path"].removeprefix("/v1/models/"), send)
 
+    async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._body(scope, receive)
+        await anthropic_messages.create(self._handlers, body, receive, send)
+
+    async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._body(scope, receive)
+        await anthropic_messages.count_tokens(self._handlers, body, send)
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._body(scope, receive)
+        await openai_responses.create(self._handlers, self.response_store, body, receive, send)
+
+    async def _stored_response(self, scope: Scope, receive: Receive, send: Send) -> None:
+        id_ = scope["path"].removeprefix("/v1/responses/")
+        await openai_responses.get(self.response_store, id_, send)
+
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, b"ok\n", [(b"content-type", b"text/plain")])
 
@@ -323,7 +364,12 @@ class App:
         await respond(send, 200, api.encode({"version": __version__}))
 
     async def _openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await respond(send, 200, api.encode(api.openapi()))
+        agents = (
+            ("/v1/messages", anthropic_messages.MessagesRequest),
+            ("/v1/messages/count_tokens", anthropic_messages.CountTokensRequest),
+            ("/v1/responses", openai_responses.ResponsesRequest),
+        )
+        await respond(send, 200, api.encode(api.openapi(agents)))
 
 
 def _dispatch(events: list[tuple[Request, Event]]) -> None:

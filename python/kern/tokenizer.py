@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from jinja2 import TemplateError
+from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kern.model_config import CheckpointError, MissingFileError
 
-__all__ = ["ChatTemplateError", "TextStream", "Tokenizer"]
+__all__ = ["ChatTemplateError", "TextStream", "Tokenizer", "compile_chat_template"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # Characters above which encode() takes the GIL-releasing path.
@@ -81,10 +81,7 @@ class Tokenizer:
         self._chat_template_source = chat_template
         self._chat_template = None
         if chat_template is not None:
-            try:
-                self._chat_template = _environment().from_string(chat_template)
-            except TemplateError as e:
-                raise ChatTemplateError(f"{source}: chat template does not compile: {e}") from e
+            self._chat_template = compile_chat_template(chat_template, source)
         ids: list[int] = []
         eos = self._special_tokens.get("eos_token")
         if eos is not None:
@@ -421,6 +418,14 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str, where: str) -> Template:
+    """``source`` compiled as a chat template; :class:`ChatTemplateError` naming ``where``."""
+    try:
+        return _environment().from_string(source)
+    except TemplateError as e:
+        raise ChatTemplateError(f"{where}: chat template does not compile: {e}") from e
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

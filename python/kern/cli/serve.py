@@ -68,8 +68,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     what.add_argument("--target", metavar="NAME", help="the [targets.NAME] of --config")
     what.add_argument(
         "--served-model-name",
+        action="append",
         metavar="NAME",
-        help="the model id clients send (default: the target's name, or the folder's name)",
+        help="the model id clients send (default: the target's name, or the folder's name); "
+        "repeat it for aliases: answers report the first",
+    )
+    what.add_argument(
+        "--max-model-len",
+        type=argtypes.positive_int,
+        metavar="N",
+        help="the context a request may fill, prompt and answer (default and most: the "
+        "model's max_position_embeddings)",
+    )
+    what.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template in place of the checkpoint's",
     )
     keys = p.add_argument_group(
         "target keys", "each sets the kern.toml key of the same name (over --config's value)"
@@ -132,6 +147,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--api-key-file", type=Path, metavar="FILE", help="the API key, the file's first line"
     )
     net.add_argument(
+        "--allowed-origins",
+        action="append",
+        metavar="ORIGIN[,ORIGIN...]",
+        help="answer CORS preflights and let browser pages of these origins (* for any) read "
+        "answers (default: none, OPTIONS is a 405)",
+    )
+    net.add_argument(
         "--body-timeout",
         type=argtypes.seconds,
         default=30.0,
@@ -155,17 +177,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kern.server.cors import parse_origins
+    from kern.server.settings import check_max_model_len, read_chat_template, served_names
+
     logs.configure(args.log_level)
+    names = served_names(args.served_model_name or [], "--served-model-name")
+    origins = parse_origins(args.allowed_origins or [], "--allowed-origins")
     selection = select(
         config=args.config,
         target=args.target,
         model=args.model,
         overrides={key: getattr(args, key) for key in FLAGS},
         rows=args.rows,
-        served_name=args.served_model_name,
+        served_name=names[0] if names else None,
         serving=True,
     )
     target = selection.target
+    max_len = args.max_model_len
+    if max_len is not None:
+        check_max_model_len(max_len, selection.config, f"--max-model-len {max_len}")
+    file = args.chat_template
+    template = None if file is None else read_chat_template(file, f"--chat-template {file}")
     # The app imports the engine and torch: only once the target is known to be runnable.
     from kern.app import App
     from kern.server.settings import Settings, api_key
@@ -187,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
             body_timeout=args.body_timeout,
             log_prompts=args.log_prompts,
             stats_interval=args.stats_interval,
+            max_model_len=max_len,
+            chat_template=template,
+            served_model_names=names,
+            allowed_origins=origins,
         )
     )
     try:
@@ -217,9 +253,14 @@ def _summary(target: Target, family: str, engine: Engine, app: App, sock: socket
     ranks = ""
     if target.ranks > 1:
         ranks = f", {target.ranks} ranks ({target.parallel}), budgets per rank"
+    assert app.settings is not None and app.scheduler is not None
+    names = app.settings.served_model_names[1:]
+    also = f" (also {', '.join(map(repr, names))})" if names else ""
+    if app.settings.max_model_len is not None:
+        ranks += f", max model len {app.settings.max_model_len}"
     return (
-        f"kern {__version__} serving {target.name!r}: {family} from {target.checkpoint} on "
-        f"{target.device}/{target.dtype}, threads {target.threads}{ranks}, "
+        f"kern {__version__} serving {target.name!r}{also}: {family} from {target.checkpoint} "
+        f"on {target.device}/{target.dtype}, threads {target.threads}{ranks}, "
         f"{_rows(target)}; "
         "KV pool "
         f"{app.scheduler.max_pages} pages x {target.page_tokens} tokens, "

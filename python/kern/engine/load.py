@@ -147,11 +147,14 @@ class Engine:
         metrics: Metrics | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
         rows: int | None = None,
+        max_model_len: int | None = None,
         **limits: int,
     ) -> Scheduler:
         """A scheduler over this engine's runner and cache (``limits``: ``max_step_tokens``,
         ``max_running``); ``rows`` (default: the target's ``decode_rows``) above 1 verifies
-        drafts from the draft checkpoint when the target names one, else n-gram drafts."""
+        drafts from the draft checkpoint when the target names one, else n-gram drafts.
+        ``max_model_len`` (default: the model's ``max_position_embeddings``) bounds a
+        request's prompt and answer together."""
         rows = self.target.decode_rows if rows is None else rows
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
@@ -164,7 +167,7 @@ class Engine:
             Sampler(self.runner),
             self.cache,
             eos_token_ids=self.checkpoint.tokenizer.eos_token_ids,
-            max_model_len=self.checkpoint.config.max_position_embeddings,
+            max_model_len=max_model_len or self.checkpoint.config.max_position_embeddings,
             deliver=deliver,
             metrics=metrics,
             on_crash=on_crash,

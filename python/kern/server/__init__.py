@@ -2,7 +2,11 @@
 types and response helpers, a leaf), ``settings``, ``openai`` (the handlers of a loaded
 model), ``prompts`` (a prompt as token ids), ``responses`` (a generation's events rendered as
 a whole answer or a stream, completions and chat), ``text`` (a choice's text), ``api`` (the
-wire types), ``splitter`` (reasoning and tool calls) and ``logs``.
+wire types), ``splitter`` (reasoning and tool calls), ``logs``, ``cors`` (browser clients),
+``startup`` (how a failed start ends the process), and the agent protocols, each translated
+into a chat request and rendered by its own run: ``anthropic_messages`` / ``anthropic_run``
+(Anthropic's Messages API) and ``openai_responses`` / ``openai_responses_run`` (OpenAI's
+Responses API).
 
 Nothing is imported here on purpose: each module is imported by name.
 
@@ -12,9 +16,12 @@ Design notes
   behind a queue. The handlers tokenize, validate against the limits, and turn the scheduler's
   token events into text; the scheduler only ever sees ints.
 * Configuration comes from the environment so ``hypercorn kern.app:app`` works as well as
-  ``kern serve`` (which sets the same variables): ``KERN_CONFIG`` + ``KERN_TARGET`` name a
-  kern.toml target, else the embedded tiny model is served; ``KERN_API_KEY`` guards every
-  route but ``/health``; ``KERN_MAX_BODY_BYTES`` bounds a request body.
+  ``kern serve`` (which passes the same settings from its flags): ``KERN_CONFIG`` +
+  ``KERN_TARGET`` name a kern.toml target, else the embedded tiny model is served;
+  ``KERN_API_KEY`` guards every route but ``/health``; ``KERN_MAX_BODY_BYTES`` bounds a
+  request body; docs/serve.md lists
+  every variable (``KERN_MAX_MODEL_LEN``, ``KERN_CHAT_TEMPLATE``, ``KERN_SERVED_MODEL_NAME``,
+  ``KERN_ALLOWED_ORIGINS``, ...).
 * Hang-ups: hypercorn speaks ASGI 2.1 and its ``send()`` keeps succeeding after a client has
   gone (seen with hypercorn 0.18: ``send()`` kept succeeding for 3 s after a hang-up while
   ``receive()`` returned ``http.disconnect`` at once). So every generating handler runs a
@@ -31,7 +38,8 @@ Design notes
   exits the process with code 101 (after a moment, so those ends reach the clients).
 * Loading is ``App.start``: ``kern serve`` calls it before it serves (so a user's mistake
   is one line and exit 2, and the start-up line can describe what loaded); under plain
-  hypercorn the lifespan startup calls it. The handlers are built from what it loaded.
+  hypercorn the lifespan startup calls it, and a failure there ends the process the same way
+  (one line, exit 2; kern.server.startup). The handlers are built from what it loaded.
 * Shutdown is ``App.drain``, on the event loop: no new request is admitted (503), every
   open stream gets a final ``abort`` chunk and ``[DONE]``, and every request still waiting
   for a whole answer gets a 503 in the error shape. ``kern serve`` drains on SIGTERM/SIGINT

@@ -10,9 +10,10 @@ Design notes
 * Errors take OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``. msgspec ends
   a validation message with `` - at `$.field` ``: that path is the ``param``; a missing field
   is named inside the message instead (``Object missing required field `model` ``).
-* Unknown request fields are accepted, as OpenAI accepts them, and named in a warning log
-  line (``OpenAI._decode``); every OpenAI field kern knows is implemented or refused by name
-  (:data:`UNSUPPORTED`).
+* An unknown top-level request field is a 400 naming it, as OpenAI answers
+  (``OpenAI._decode``; ``KERN_ALLOW_UNKNOWN_FIELDS=1`` accepts them instead, named in a
+  warning log line, as vLLM does); every OpenAI and vLLM field kern knows is implemented or
+  refused by name (:data:`UNSUPPORTED`).
 * JSON nested deeper than :data:`MAX_JSON_DEPTH` is refused before it is parsed: msgspec
   recurses per level and skipping ~1,000 nested arrays in an unknown field raised
   ``RecursionError``. The check counts brackets first (C speed); only a body with more
@@ -76,6 +77,8 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
 Count = Annotated[int, Meta(ge=0, le=MAX_TOKENS_LIMIT)]
+# vLLM's request priority: lower is served first.
+Priority = Annotated[int, Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
 
 
 def _never(value: Any) -> bool:
@@ -113,6 +116,11 @@ UNSUPPORTED: dict[str, Any] = {
     "continue_final_message": lambda v: v is False,
     "documents": _never,
     "mm_processor_kwargs": _never,
+    # vLLM's.
+    "bad_words": lambda v: v == [],
+    "spaces_between_special_tokens": lambda v: v is True,
+    "return_tokens_as_token_ids": lambda v: v is False,
+    "chat_template": _never,
 }
 
 
@@ -152,6 +160,15 @@ class _Sampling(Struct, kw_only=True):
     # A kern (and vLLM) extension: each choice carries the ids it produced, so a client can
     # send the next turn as ids (an answer's text need not tokenize back to its ids).
     return_token_ids: bool | None = None
+    # vLLM's: only these ids may be sampled (a mask before sampling).
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    # vLLM's: special tokens' text left out of the answer (the default) or kept.
+    skip_special_tokens: bool | None = None
+    # vLLM's: the tokenizer's special tokens (a BOS) added to the prompt's text; unset: not
+    # added (a chat template writes its own).
+    add_special_tokens: bool | None = None
+    # vLLM's: lower is admitted first; equal priorities in arrival order.
+    priority: Priority | None = None
     # Identifiers that ask for no behaviour: accepted and put in the request's log line.
     user: str | None = None
     safety_identifier: str | None = None
@@ -185,6 +202,9 @@ class _Sampling(Struct, kw_only=True):
     truncate_prompt_tokens: Any = None
     documents: Any = None
     mm_processor_kwargs: Any = None
+    bad_words: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
 
     def _check(self) -> None:
         _refuse_unsupported(self)
@@ -352,6 +372,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extensions, refused unless at their default (UNSUPPORTED).
+    echo: Any = None
+    chat_template: Any = None
 
     def __post_init__(self) -> None:
         self._check()
@@ -368,10 +391,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         if len(set(names)) != len(names):
             raise ValueError("two tools have the same name - at `$.tools`")
         choice = self.tool_choice
-        if choice not in (None, "none", "auto") and not names:
-            raise ValueError(
-                f"tool_choice {self.tool_choice_name()!r} needs tools - at `$.tool_choice`"
-            )
+        if choice not in (None, "none") and not names:
+            # "auto" too: with nothing to call it would parse calls of no tool.
+            name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
+            raise ValueError(f"tool_choice {name!r} needs tools - at `$.tool_choice`")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(
                 f"tool_choice names {choice.function.name!r}, which is not in tools"
@@ -397,11 +420,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         """The tool choice: "none", "auto", "required" or the named function ("auto" when tools are
         given without a choice, "none" without tools: OpenAI's defaults)."""
         choice = self.tool_choice
+        if not self.tools:
+            return "none"  # __post_init__ refused any other choice without tools
         if isinstance(choice, NamedToolChoice):
             return choice.function.name
-        if choice is None:
-            return "auto" if self.tools else "none"
-        return choice
+        return "auto" if choice is None else choice
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
@@ -419,6 +442,8 @@ class TokenizeRequest(Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     # Rendered into a messages prompt, as a chat request with them would be.
     tools: list[Tool] | None = None
+    # vLLM's: the response carries token_strs, each id's token string.
+    return_token_strs: bool | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -582,10 +607,12 @@ class ModelList(Struct):
     object: str = "list"
 
 
-class TokenizeResponse(Struct):
+class TokenizeResponse(Struct, omit_defaults=True):
     tokens: list[int]
     count: int
     max_model_len: int
+    # With return_token_strs: each id's token string (the vocabulary's spelling, vLLM's).
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(Struct):
@@ -716,10 +743,12 @@ _ROUTES: list[tuple[str, str, type | None, type]] = [
 ]
 
 
-def openapi() -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the routes, its schemas generated from the Structs."""
+def openapi(requests: tuple[tuple[str, type], ...] = ()) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the routes, its schemas generated from the Structs;
+    ``requests``: more POST routes' (path, request Struct), answered with a JSON object
+    (the agent protocols, whose modules import this one)."""
     types = [t for _, _, req, resp in _ROUTES for t in (req, resp) if t is not None]
-    types += [ChatCompletionChunk, ErrorResponse]
+    types += [ChatCompletionChunk, ErrorResponse, *(t for _, t in requests)]
     (refs, components) = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
     )
@@ -740,6 +769,15 @@ def openapi() -> dict[str, Any]:
                 "content": {"application/json": {"schema": ref[req]}},
             }
         paths[path] = {method: op}
+    for path, req in requests:
+        body = {"content": {"application/json": {"schema": ref[req]}}}
+        answer = {"content": {"application/json": {"schema": {"type": "object"}}}}
+        paths[path] = {
+            "post": {
+                "requestBody": {"required": True, **body},
+                "responses": {"200": answer, "400": answer, "401": answer},
+            }
+        }
     for path in ("/health", "/metrics"):
         paths[path] = {"get": {"responses": {"200": {"description": "plain text"}}}}
     return {

@@ -48,17 +48,22 @@ class OpenAI:
         grammars: Grammars,
         *,
         model_name: str,
+        aliases: tuple[str, ...] = (),
         vocab_size: int,
         max_model_len: int,
         sampling_defaults: dict[str, float],
         reasoning: bool,
         log_prompts: bool,
         created: int,
+        allow_unknown_fields: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.model_name = model_name
+        # Every name a request may send (kern serve --served-model-name, repeated): answers
+        # report the first, model_name.
+        self.model_names = tuple(dict.fromkeys((model_name, *aliases)))
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # The checkpoint's generation_config.json defaults (kern.checkpoint.sampling_defaults).
@@ -68,6 +73,9 @@ class OpenAI:
         # The first prompt's text goes into the request's log line.
         self.log_prompts = log_prompts
         self.created = created
+        # Unknown top-level request fields: accepted and logged (vLLM's way) instead of a 400
+        # naming them (OpenAI's, the default); KERN_ALLOW_UNKNOWN_FIELDS.
+        self.allow_unknown_fields = allow_unknown_fields
         self.prompts = Prompts(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len)
         # The generations in flight: the server's drain ends them (shut_down).
         self.runs: set[Run] = set()
@@ -79,39 +87,43 @@ class OpenAI:
 
     # --- models and tokens ------------------------------------------------------------------
 
-    def _card(self) -> api.ModelCard:
+    def _card(self, name: str) -> api.ModelCard:
         return api.ModelCard(
-            self.model_name,
+            name,
             self.created,
             max_model_len=self.max_model_len,
             sampling_defaults=dict(self.sampling_defaults),
         )
 
     async def models(self, send: Send) -> None:
-        await respond(send, 200, api.encode(api.ModelList([self._card()])))
+        cards = [self._card(name) for name in self.model_names]
+        await respond(send, 200, api.encode(api.ModelList(cards)))
 
     async def model(self, name: str, send: Send) -> None:
         self._check_model(name)
-        await respond(send, 200, api.encode(self._card()))
+        await respond(send, 200, api.encode(self._card(name)))
 
     async def tokenize(self, raw: bytes, send: Send) -> None:
-        body = api.decode(raw, api.TokenizeRequest)
+        body = self._decode(raw, api.TokenizeRequest)
         self._check_model(body.model)
+        special = bool(body.add_special_tokens)
         if body.messages is not None:
             text, contents = self.prompts.render_chat(
                 body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
             )
-            ids = await self.prompts.encode(text, "messages", contents=contents)
+            ids = await self.prompts.encode(
+                text, "messages", contents=contents, add_special_tokens=special
+            )
         else:
             assert body.prompt is not None
-            ids = await self.prompts.encode(
-                body.prompt, "prompt", add_special_tokens=bool(body.add_special_tokens)
-            )
+            ids = await self.prompts.encode(body.prompt, "prompt", add_special_tokens=special)
         out = api.TokenizeResponse(ids, len(ids), self.max_model_len)
+        if body.return_token_strs:
+            out.token_strs = [self.tokenizer.id_to_token(i) or "" for i in ids]
         await respond(send, 200, api.encode(out))
 
     async def detokenize(self, raw: bytes, send: Send) -> None:
-        body = api.decode(raw, api.DetokenizeRequest)
+        body = self._decode(raw, api.DetokenizeRequest)
         self._check_model(body.model)
         self.prompts.check_ids(body.tokens, "tokens")
         out = api.DetokenizeResponse(self.tokenizer.decode(body.tokens))
@@ -127,7 +139,11 @@ class OpenAI:
         for i, prompt in enumerate(batch):
             param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
-                prompts.append(await self.prompts.encode(prompt, param))
+                prompts.append(
+                    await self.prompts.encode(
+                        prompt, param, add_special_tokens=bool(body.add_special_tokens)
+                    )
+                )
             else:
                 self.prompts.check_ids(prompt, param)
                 prompts.append(list(prompt))
@@ -140,10 +156,29 @@ class OpenAI:
     async def chat(self, raw: bytes, receive: Receive, send: Send) -> None:
         body = self._decode(raw, api.ChatCompletionRequest)
         self._check_model(body.model)
+        await self.chat_body(body, receive, send)
+
+    async def chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The rendered prompt of a chat request and its token ids."""
         text, contents = self.prompts.render_chat(
             body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
         )
-        prompt_ids = await self.prompts.encode(text, "messages", contents=contents)
+        ids = await self.prompts.encode(
+            text, "messages", contents=contents, add_special_tokens=bool(body.add_special_tokens)
+        )
+        return text, ids
+
+    async def chat_body(
+        self,
+        body: api.ChatCompletionRequest,
+        receive: Receive,
+        send: Send,
+        run: Callable[..., Run] = ChatRun,
+    ) -> None:
+        """Generate for a checked chat request and answer with ``run``'s rendering: chat
+        completions, and the Anthropic and Responses protocols, which are translated into one
+        (kern.server.anthropic_messages, kern.server.openai_responses)."""
+        text, prompt_ids = await self.chat_prompt(body)
         limit = body.token_limit()
         opened = self.reasoning and opens_reasoning(text)
         tools = body.tool_choice_name() != "none"
@@ -157,17 +192,21 @@ class OpenAI:
             body.num_logprobs(),
             receive,
             send,
-            run=ChatRun,
+            run=run,
             split=split,
             opened=opened,
         )
 
+    def check_model(self, model: str | None) -> None:
+        """A 404 unless ``model`` is left out or names the served model."""
+        self._check_model(model)
+
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise ApiError(
                 404,
                 f"model {api.echo(model)} does not exist (this server serves "
-                f"{api.echo(self.model_name)})",
+                f"{', '.join(api.echo(name) for name in self.model_names)})",
                 param="model",
                 type="invalid_request_error",
                 code="model_not_found",
@@ -176,8 +215,18 @@ class OpenAI:
     def _decode(self, raw: bytes, type_: type[T]) -> T:
         body = api.decode(raw, type_)
         unknown = api.unknown_fields(raw, type_)
+        if unknown and not self.allow_unknown_fields:
+            # OpenAI's answer: a field the server does not know is never silently ignored.
+            names = ", ".join(api.echo(k) for k in unknown[:20])
+            raise ApiError(
+                400,
+                f"unknown parameter{'s' if len(unknown) > 1 else ''} {names} (the server "
+                "ignores unknown fields only with KERN_ALLOW_UNKNOWN_FIELDS=1)",
+                param=unknown[0][: api.MAX_ECHO],
+                code="unknown_parameter",
+            )
         if unknown:
-            # Accepted, as OpenAI accepts them, but never silently: named in the log.
+            # Accepted, as vLLM accepts them, but never silently: named in the log.
             log.warning(
                 "request %s: ignoring unknown fields %s",
                 (record.id if (record := RECORD.get()) else "-"),
@@ -231,6 +280,13 @@ class OpenAI:
                 f"min_tokens cannot go with {what}: the grammar decides where the answer ends",
                 param="min_tokens",
             )
+        if compiled is not None and body.allowed_token_ids is not None:
+            # Two masks whose intersection may be empty: nothing left to sample.
+            raise ApiError(
+                400,
+                f"allowed_token_ids cannot go with {what}: the grammar decides what may come",
+                param="allowed_token_ids",
+            )
         return compiled
 
     def _sampling(self, body: Body, seed: int | None) -> SamplingParams:
@@ -252,6 +308,10 @@ class OpenAI:
                     param="logit_bias",
                     code="invalid_value",
                 )
+        allowed = None
+        if body.allowed_token_ids is not None:
+            self.prompts.check_ids(body.allowed_token_ids, "allowed_token_ids")
+            allowed = frozenset(body.allowed_token_ids)
         return SamplingParams(
             temperature=pick("temperature", 1.0),
             top_p=pick("top_p", 1.0),
@@ -261,6 +321,7 @@ class OpenAI:
             frequency_penalty=pick("frequency_penalty", 0.0),
             repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=bias,
+            allowed_token_ids=allowed,
             seed=seed,
         )
 
@@ -273,7 +334,7 @@ class OpenAI:
         receive: Receive,
         send: Send,
         *,
-        run: type[Run],
+        run: Callable[..., Run],
         split: Callable[[], Splitter] | None,
         opened: bool = False,
     ) -> None:
@@ -295,6 +356,9 @@ class OpenAI:
                 ) from None
         stop_ids = frozenset(body.stop_token_ids or ())
         self.prompts.check_ids(sorted(stop_ids), "stop_token_ids")
+        # The ids whose token ends a choice: their text is left out unless asked for.
+        ends = stop_ids if body.ignore_eos else stop_ids | sched.eos
+        skip_special = body.skip_special_tokens is not False
         stops = body.stop_strings()
         grammar = await self._grammar(body, opened)
         queue: asyncio.Queue[Item] = asyncio.Queue()
@@ -320,15 +384,17 @@ class OpenAI:
                         sink=queue,
                         index=index,
                         counts_prompt=j == 0,
+                        priority=body.priority or 0,
                     )
                 )
                 choices.append(
                     Choice(
                         index,
-                        self.tokenizer.stream(skip_special_tokens=True),
+                        self.tokenizer.stream(skip_special_tokens=skip_special),
                         stops,
                         max((len(s) for s in stops), default=1) - 1,
                         include_stop=bool(body.include_stop_str_in_output),
+                        stop_tokens=ends,
                         split=None if split is None else split(),
                     )
                 )

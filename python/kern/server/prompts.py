@@ -26,6 +26,25 @@ class Prompts:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self._affixes: tuple[list[int], list[int]] | None = None
+
+    def special_affixes(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer's ``add_special_tokens`` puts before and after a text's own
+        (a BOS, say; none for Qwen's): what a rendered chat prompt gets when a request asks
+        for them, as its pieces are encoded apart (``Tokenizer.encode_chat``)."""
+        if self._affixes is None:
+            plain = self.tokenizer.encode("a", add_special_tokens=False)
+            full = self.tokenizer.encode("a", add_special_tokens=True)
+            at = next((i for i in range(len(full)) if full[i : i + len(plain)] == plain), None)
+            if at is None:  # not a plain wrapping: nothing kern can add around pieces
+                raise ApiError(
+                    400,
+                    "add_special_tokens: this tokenizer's special tokens are not a fixed "
+                    "prefix and suffix",
+                    param="add_special_tokens",
+                )
+            self._affixes = (full[:at], full[at + len(plain) :])
+        return self._affixes
 
     def check_ids(self, ids: list[int], param: str) -> None:
         for i, t in enumerate(ids):
@@ -62,9 +81,13 @@ class Prompts:
                 code="context_length_exceeded",
             )
 
+        before, after = (
+            self.special_affixes() if contents is not None and add_special_tokens else ([], [])
+        )
+
         def encode() -> list[int]:
             if contents is not None:
-                return self.tokenizer.encode_chat(text, contents)
+                return before + self.tokenizer.encode_chat(text, contents) + after
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
         try:

@@ -9,10 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kern.engine.targets import select
+from kern.engine.targets import Selection, select
 from kern.errors import UsageError
 from kern.kern_toml import REASONING_PARSERS, Target
+from kern.model_config import ModelConfig
 from kern.server import logs
+from kern.server.cors import parse_origins
+from kern.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
@@ -20,6 +23,9 @@ __all__ = [
     "DEFAULT_STATS_INTERVAL",
     "Settings",
     "api_key",
+    "check_max_model_len",
+    "read_chat_template",
+    "served_names",
 ]
 
 log = logging.getLogger("kern")
@@ -43,21 +49,67 @@ class Settings:
     stats_interval: float = DEFAULT_STATS_INTERVAL
     # Seconds a client has to send a request body whole.
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    # The context a request may fill, prompt and answer (checked: at most the model's
+    # max_position_embeddings); None: the model's.
+    max_model_len: int | None = None
+    # A chat template's text (read_chat_template) in place of the checkpoint's; None: its own.
+    chat_template: str | None = None
+    # Every model name a request may send, the first the one answers report (it is the
+    # target's name); empty: the target's name alone.
+    served_model_names: tuple[str, ...] = ()
+    # Origins browser pages may call from (kern.server.cors); empty: CORS is off.
+    allowed_origins: tuple[str, ...] = ()
+    # An unknown top-level request field is accepted and named in a warning log line (vLLM's
+    # way) instead of a 400 naming it (OpenAI's).
+    allow_unknown_fields: bool = False
+
+    def tokenizer(self, loaded: Tokenizer) -> Tokenizer:
+        """The checkpoint's tokenizer, with :attr:`chat_template` in place of its template."""
+        if self.chat_template is None:
+            return loaded
+        return Tokenizer(
+            loaded.backend,
+            chat_template=self.chat_template,
+            special_tokens=loaded.special_tokens,
+            extra_eos_token_ids=loaded.eos_token_ids,
+            source="the served chat template",
+        )
 
     @classmethod
     def from_env(cls) -> Settings:
         """``KERN_CONFIG`` + ``KERN_TARGET`` (a kern.toml target) or ``KERN_MODEL`` (a
         checkpoint folder), ``KERN_ROWS`` (as ``kern serve --rows``), ``KERN_API_KEY``,
         ``KERN_MAX_BODY_BYTES``, ``KERN_LOG_LEVEL``, ``KERN_LOG_PROMPTS``,
-        ``KERN_STATS_INTERVAL``, ``KERN_REASONING_PARSER``. Raises ``UsageError`` naming the
+        ``KERN_STATS_INTERVAL``, ``KERN_REASONING_PARSER``, ``KERN_ALLOW_UNKNOWN_FIELDS``,
+        ``KERN_MAX_MODEL_LEN``, ``KERN_CHAT_TEMPLATE`` (a file), ``KERN_SERVED_MODEL_NAME``
+        and ``KERN_ALLOWED_ORIGINS`` (comma-separated). Raises ``UsageError`` naming the
         variable."""
         env = os.environ
+        names: tuple[str, ...] = ()
+        if env.get("KERN_SERVED_MODEL_NAME"):
+            names = served_names(env["KERN_SERVED_MODEL_NAME"].split(","), "KERN_SERVED_MODEL_NAME")
+        selection = _select(env, names[0] if names else None)
         out = cls(
-            target=_target(env),
+            target=selection.target,
             api_key=api_key(
                 None, Path(env["KERN_API_KEY_FILE"]) if "KERN_API_KEY_FILE" in env else None
             ),
+            served_model_names=names,
         )
+        if env.get("KERN_ALLOWED_ORIGINS"):
+            out.allowed_origins = parse_origins(
+                [env["KERN_ALLOWED_ORIGINS"]], "KERN_ALLOWED_ORIGINS"
+            )
+        if "KERN_MAX_MODEL_LEN" in env:
+            text = env["KERN_MAX_MODEL_LEN"]
+            if not text.isdigit() or int(text) < 1:
+                raise UsageError(f"KERN_MAX_MODEL_LEN={text!r} is not a positive integer")
+            out.max_model_len = check_max_model_len(
+                int(text), selection.config, f"KERN_MAX_MODEL_LEN={text}"
+            )
+        if env.get("KERN_CHAT_TEMPLATE"):
+            file = env["KERN_CHAT_TEMPLATE"]
+            out.chat_template = read_chat_template(Path(file), f"KERN_CHAT_TEMPLATE={file}")
         for var, attr, kind in (
             ("KERN_MAX_BODY_BYTES", "max_body", int),
             ("KERN_STATS_INTERVAL", "stats_interval", float),
@@ -69,6 +121,7 @@ class Settings:
                 except ValueError:
                     raise UsageError(f"{var}={env[var]!r} is not a number") from None
         out.log_prompts = env.get("KERN_LOG_PROMPTS", "") not in ("", "0")
+        out.allow_unknown_fields = env.get("KERN_ALLOW_UNKNOWN_FIELDS", "") not in ("", "0")
         level = env.get("KERN_LOG_LEVEL", "info").lower()
         if level not in logs.LEVELS:
             raise UsageError(f"KERN_LOG_LEVEL={level!r} is not one of {', '.join(logs.LEVELS)}")
@@ -77,7 +130,7 @@ class Settings:
         return out
 
 
-def _target(env: Mapping[str, str]) -> Target:
+def _select(env: Mapping[str, str], served_name: str | None) -> Selection:
     """The checked target the environment names: the same resolve, rows and check sequence as
     ``kern serve``'s flags go through."""
     parser = env.get("KERN_REASONING_PARSER") or None
@@ -103,8 +156,46 @@ def _target(env: Mapping[str, str]) -> Target:
         overrides={"reasoning_parser": parser},
         rows=rows,
         rows_flag="KERN_ROWS",
+        served_name=served_name,
         serving=True,
-    ).target
+    )
+
+
+def check_max_model_len(value: int, config: ModelConfig, what: str) -> int:
+    """``value``, the context a server accepts, if the model has it: a :class:`UsageError`
+    naming ``what`` (``--max-model-len N``, ``KERN_MAX_MODEL_LEN=N``) when it is over the
+    model's ``max_position_embeddings``."""
+    if value > config.max_position_embeddings:
+        raise UsageError(
+            f"{what}: over the model's context of {config.max_position_embeddings} tokens "
+            "(max_position_embeddings in its config.json)"
+        )
+    return value
+
+
+def read_chat_template(path: Path, what: str) -> str:
+    """The text of a Jinja chat template file, checked to compile as the checkpoint's would;
+    a :class:`UsageError` naming ``what`` (``--chat-template FILE``) when it cannot be read or
+    does not compile."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"{what}: cannot read the chat template: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{what}: the chat template is not UTF-8 text") from None
+    try:
+        compile_chat_template(text, what)
+    except ChatTemplateError as e:
+        raise UsageError(str(e)) from None
+    return text
+
+
+def served_names(names: list[str], where: str) -> tuple[str, ...]:
+    """The model names a server answers to, in order, each once; a :class:`UsageError` naming
+    ``where`` for an empty one."""
+    if any(not name.strip() for name in names):
+        raise UsageError(f"{where}: a model name cannot be empty")
+    return tuple(dict.fromkeys(names))
 
 
 def api_key(flag: str | None, file: Path | None, flag_name: str = "--api-key") -> str | None:

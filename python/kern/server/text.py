@@ -1,5 +1,7 @@
 """A choice's text: one sequence's tokens detokenized as they come, cut at stop strings, with
-what may begin a stop string held back until it cannot (see kern.server's design notes)."""
+what may begin a stop string held back until it cannot (see kern.server's design notes). The
+token that ends a sequence (a ``stop_token_ids`` id, or end of sequence) adds no text unless
+``include_stop_str_in_output`` asks for it, as in vLLM."""
 
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ class Choice:
     # Characters held back while text may begin a stop string: the longest one's, less one.
     hold: int
     include_stop: bool = False
+    # Ids that end the sequence (its stop ids, and end of sequence unless ignored): their
+    # text is left out unless ``include_stop``.
+    stop_tokens: frozenset[int] = frozenset()
     ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     # The text each token released (the last one also what the end flushed): joined, the
@@ -63,6 +68,10 @@ class Choice:
     def feed(self, token: int) -> tuple[str, bool]:
         """The text ``token`` releases, and whether a stop string ended the choice."""
         self.ids.append(token)
+        if token in self.stop_tokens and not self.include_stop:
+            # It ends the sequence: nothing of it, and no stop string can begin in it.
+            self.pieces.append("")
+            return "", False
         piece = self.stream.step(token)
         self.pieces.append(piece)
         buf = self.pending + piece
