@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import shutil
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from support.server import KEY, MODEL, Server
+from support.server import KEY, MODEL, Server, thinking_server
 
 from kern.tiny import default_model_path
 
@@ -208,28 +207,10 @@ def test_completions_refuse_tools(server):
 
 # --- reasoning ---------------------------------------------------------------------------------
 
-# The tiny template without tools, whose generation prompt opens a <think> block unless
-# enable_thinking is false (as Qwen3.5-style templates do).
-THINKING_TEMPLATE = (
-    "{%- for m in messages %}{{- '<|im_start|>' ~ m['role'] ~ '\\n' ~ m['content'] ~ "
-    "'<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
-)
-
 
 @pytest.fixture(scope="module")
 def thinking(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("thinking")
-    ckpt = tmp / "ckpt"
-    shutil.copytree(default_model_path(), ckpt)
-    config = json.loads((ckpt / "tokenizer_config.json").read_text())
-    config["chat_template"] = THINKING_TEMPLATE
-    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
-    srv = Server(
-        tmp, "thinking", pool_bytes="4MiB", model=ckpt, extra=("--reasoning-parser", "qwen3")
-    )
+    srv = thinking_server(tmp_path_factory.mktemp("thinking"))
     yield srv
     srv.close()
 

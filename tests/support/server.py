@@ -151,3 +151,30 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+# The tiny template without tools, whose generation prompt opens a <think> block unless
+# enable_thinking is false (as Qwen3.5-style templates do).
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' ~ m['role'] ~ '\\n' ~ m['content'] ~ "
+    "'<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def thinking_server(tmp: Path) -> Server:
+    """``kern serve`` of the embedded model with :data:`THINKING_TEMPLATE` and the qwen3
+    reasoning parser."""
+    import json
+    import shutil
+
+    ckpt = tmp / "ckpt"
+    shutil.copytree(default_model_path(), ckpt)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINKING_TEMPLATE
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    return Server(
+        tmp, "thinking", pool_bytes="4MiB", model=ckpt, extra=("--reasoning-parser", "qwen3")
+    )

@@ -8,8 +8,7 @@ from typing import Any
 import msgspec
 
 from kern.server import api
-from kern.server.api import ApiError
-from kern.server.http import SSE, Send, respond
+from kern.server.http import SSE, Send
 from kern.server.responses import ChatRun
 from kern.server.splitter import Parts
 from kern.server.text import Choice
@@ -87,16 +86,12 @@ class MessagesRun(ChatRun):
             "usage": self._usage(final),
         }
 
-    async def collect(self, send: Send) -> None:
-        async for batch in self.events():
-            for ch, text, finish in batch:
-                if ch.split is not None:
-                    ch.parts(text, finish is not None)
-                    self._check_budget(ch)
-                else:
-                    ch.text.append(text)
-        if self.shut:
-            raise ApiError(503, "the server is shutting down", type="server_error")
+    def released(self, ch: Choice, text: str, finish: str | None) -> Parts:
+        parts = super().released(ch, text, finish)
+        self._check_budget(ch)
+        return parts
+
+    def _whole(self) -> bytes:
         ch = self.choices[0]
         content: list[dict[str, Any]] = []
         reasoning = "".join(ch.reasoning)
@@ -107,7 +102,7 @@ class MessagesRun(ChatRun):
         if text:
             content.append({"type": "text", "text": text})
         content += [_tool_use(c.id, c.name, c.arguments) for c in ch.calls]
-        await respond(send, 200, api.encode(self._message(content, True)))
+        return api.encode(self._message(content, True))
 
     async def stream(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE})
@@ -118,13 +113,7 @@ class MessagesRun(ChatRun):
                 out.append(_event("message_start", {"message": self._message([], False)}))
                 started = True
             for ch, text, finish in batch:
-                if ch.split is not None:
-                    parts = ch.parts(text, finish is not None)
-                    self._check_budget(ch)
-                else:
-                    ch.text.append(text)
-                    parts = Parts(content=text)
-                out += self._deltas(parts)
+                out += self._deltas(self.released(ch, text, finish))
             if out:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         ch = self.choices[0]

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kern.server import api
-from kern.server.api import ApiError
-from kern.server.http import SSE, Send, respond
+from kern.server.http import SSE, Send
 from kern.server.responses import ChatRun
 from kern.server.splitter import THINK_CLOSE, Parts
 from kern.server.text import Choice
@@ -170,15 +169,7 @@ class ResponsesRun(ChatRun):
             self.store.put(self.id, [*self.conversation, answer], response)
         return response
 
-    async def collect(self, send: Send) -> None:
-        async for batch in self.events():
-            for ch, text, finish in batch:
-                if ch.split is not None:
-                    ch.parts(text, finish is not None)
-                else:
-                    ch.text.append(text)
-        if self.shut:
-            raise ApiError(503, "the server is shutting down", type="server_error")
+    def _whole(self) -> bytes:
         ch = self.choices[0]
         output = []
         reasoning = "".join(ch.reasoning)
@@ -189,7 +180,7 @@ class ResponsesRun(ChatRun):
             output.append(self._message_item(self._item_id("msg"), text, True))
         for c in ch.calls:
             output.append(self._call_item(self._item_id("fc"), c.id, c.name, c.arguments, True))
-        await respond(send, 200, api.encode(self._finish(output)))
+        return api.encode(self._finish(output))
 
     # --- the stream
 
@@ -209,12 +200,7 @@ class ResponsesRun(ChatRun):
         async for batch in self.events():
             out: list[bytes] = []
             for ch, text, finish in batch:
-                if ch.split is not None:
-                    parts = ch.parts(text, finish is not None)
-                else:
-                    ch.text.append(text)
-                    parts = Parts(content=text)
-                out += self._deltas(parts)
+                out += self._deltas(self.released(ch, text, finish))
             if out:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         tail = self._close()

@@ -128,10 +128,7 @@ class Run:
         """The whole answer, once every choice has ended; a 503 if the server drained."""
         async for batch in self.events():
             for ch, text, finish in batch:
-                if ch.split is not None:
-                    ch.parts(text, finish is not None)
-                else:
-                    ch.text.append(text)
+                self.released(ch, text, finish)
         if self.shut:
             raise ApiError(503, "the server is shutting down", type="server_error")
         await respond(send, 200, self._whole())
@@ -154,6 +151,14 @@ class Run:
         tail = [self._usage_chunk()] if include_usage else []
         body = b"".join(b"data: " + line + b"\n\n" for line in tail) + DONE
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def released(self, ch: Choice, text: str, finish: str | None) -> Parts:
+        """Keep ``text``, released by ``ch`` (split, where it has a splitter), for the whole
+        answer; returns its parts."""
+        if ch.split is not None:
+            return ch.parts(text, finish is not None)
+        ch.text.append(text)
+        return Parts(content=text)
 
     def _lp(self) -> bool:
         return self.reqs[0].num_logprobs is not None
