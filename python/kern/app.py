@@ -247,18 +247,14 @@ class App:
             await handler(scope, receive, send_tagged)
         except ApiError as e:
             record.error = e.message
-            # Anthropic's clients read Anthropic's error shape.
-            shape = anthropic_messages.error_body if path.startswith("/v1/messages") else None
-            body = (shape or api.error_body)(e)
-            await respond(send_tagged, e.status, body, [*JSON, *e.headers])
+            await respond(send_tagged, e.status, _error_body(path, e), [*JSON, *e.headers])
         except Disconnected:
             record.error = "the client disconnected"
         except Exception as e:
             traceback.print_exc()
             err = ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
             record.error = err.message
-            shape = anthropic_messages.error_body if path.startswith("/v1/messages") else None
-            await respond(send_tagged, 500, (shape or api.error_body)(err))
+            await respond(send_tagged, 500, _error_body(path, err))
         finally:
             record.log()
 
@@ -370,6 +366,13 @@ class App:
             ("/v1/responses", openai_responses.ResponsesRequest),
         )
         await respond(send, 200, api.encode(api.openapi(agents)))
+
+
+def _error_body(path: str, e: ApiError) -> bytes:
+    """``e`` in the shape the route's clients read: Anthropic's under /v1/messages."""
+    if path.startswith("/v1/messages"):
+        return anthropic_messages.error_body(e)
+    return api.error_body(e)
 
 
 def _dispatch(events: list[tuple[Request, Event]]) -> None:

@@ -105,8 +105,6 @@ class MessagesRequest(_Prompt, kw_only=True, forbid_unknown_fields=True):
     service_tier: Literal["auto", "standard_only"] | None = None
 
 
-_DECODERS = {t: msgspec.json.Decoder(t) for t in (MessagesRequest, CountTokensRequest)}
-
 # Anthropic's error type for each status.
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -125,17 +123,6 @@ def error_body(e: ApiError) -> bytes:
     """``e`` in Anthropic's error shape."""
     kind = _ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     return api.encode({"type": "error", "error": {"type": kind, "message": e.message}})
-
-
-def _decode(raw: bytes, type_: type[Any]) -> Any:
-    if api.json_depth(raw) > api.MAX_JSON_DEPTH:
-        raise ApiError(400, f"JSON nested deeper than {api.MAX_JSON_DEPTH} levels")
-    try:
-        return _DECODERS[type_].decode(raw)
-    except msgspec.ValidationError as e:
-        raise api._validation_error(str(e)) from None
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
 
 
 def _refuse(param: str, message: str) -> ApiError:
@@ -328,7 +315,7 @@ def to_chat(handlers: OpenAI, req: _Prompt, stream: bool = False) -> api.ChatCom
 
 async def create(handlers: OpenAI, raw: bytes, receive: Receive, send: Send) -> None:
     """``POST /v1/messages``."""
-    req: MessagesRequest = _decode(raw, MessagesRequest)
+    req = api.decode(raw, MessagesRequest)
     handlers.check_model(req.model)
     chat = to_chat(handlers, req)
     budget = req.thinking.budget_tokens if req.thinking is not None else None
@@ -342,7 +329,7 @@ async def create(handlers: OpenAI, raw: bytes, receive: Receive, send: Send) -> 
 
 async def count_tokens(handlers: OpenAI, raw: bytes, send: Send) -> None:
     """``POST /v1/messages/count_tokens``: the prompt's token count."""
-    req: CountTokensRequest = _decode(raw, CountTokensRequest)
+    req = api.decode(raw, CountTokensRequest)
     handlers.check_model(req.model)
     _, ids = await handlers.chat_prompt(to_chat(handlers, req))
     await respond(send, 200, api.encode({"input_tokens": len(ids)}))

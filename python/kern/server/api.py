@@ -702,7 +702,10 @@ def decode(body: bytes, type_: type[T]) -> T:
     if json_depth(body) > MAX_JSON_DEPTH:
         raise ApiError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     try:
-        return _DECODERS[type_].decode(body)
+        decoder = _DECODERS.get(type_)
+        if decoder is None:  # another module's body (the agent protocols), built once
+            decoder = _DECODERS[type_] = msgspec.json.Decoder(type_)
+        return decoder.decode(body)
     except RecursionError:
         raise ApiError(
             400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"

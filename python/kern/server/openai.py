@@ -100,12 +100,12 @@ class OpenAI:
         await respond(send, 200, api.encode(api.ModelList(cards)))
 
     async def model(self, name: str, send: Send) -> None:
-        self._check_model(name)
+        self.check_model(name)
         await respond(send, 200, api.encode(self._card(name)))
 
     async def tokenize(self, raw: bytes, send: Send) -> None:
         body = self._decode(raw, api.TokenizeRequest)
-        self._check_model(body.model)
+        self.check_model(body.model)
         special = bool(body.add_special_tokens)
         if body.messages is not None:
             text, contents = self.prompts.render_chat(
@@ -124,7 +124,7 @@ class OpenAI:
 
     async def detokenize(self, raw: bytes, send: Send) -> None:
         body = self._decode(raw, api.DetokenizeRequest)
-        self._check_model(body.model)
+        self.check_model(body.model)
         self.prompts.check_ids(body.tokens, "tokens")
         out = api.DetokenizeResponse(self.tokenizer.decode(body.tokens))
         await respond(send, 200, api.encode(out))
@@ -133,7 +133,7 @@ class OpenAI:
 
     async def completions(self, raw: bytes, receive: Receive, send: Send) -> None:
         body = self._decode(raw, api.CompletionRequest)
-        self._check_model(body.model)
+        self.check_model(body.model)
         prompts: list[list[int]] = []
         batch = body.prompts()
         for i, prompt in enumerate(batch):
@@ -155,7 +155,7 @@ class OpenAI:
 
     async def chat(self, raw: bytes, receive: Receive, send: Send) -> None:
         body = self._decode(raw, api.ChatCompletionRequest)
-        self._check_model(body.model)
+        self.check_model(body.model)
         await self.chat_body(body, receive, send)
 
     async def chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -198,10 +198,7 @@ class OpenAI:
         )
 
     def check_model(self, model: str | None) -> None:
-        """A 404 unless ``model`` is left out or names the served model."""
-        self._check_model(model)
-
-    def _check_model(self, model: str | None) -> None:
+        """A 404 unless ``model`` is left out or names a served model."""
         if model is not None and model not in self.model_names:
             raise ApiError(
                 404,

@@ -85,9 +85,6 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_cache_key: str | None = None
 
 
-_DECODER = msgspec.json.Decoder(ResponsesRequest)
-
-
 class ResponseStore:
     """The last :data:`STORE_SIZE` stored responses: each one's conversation (without its
     instructions) and its Response object."""
@@ -274,14 +271,7 @@ async def create(
     handlers: OpenAI, store: ResponseStore, raw: bytes, receive: Receive, send: Send
 ) -> None:
     """``POST /v1/responses``."""
-    if api.json_depth(raw) > api.MAX_JSON_DEPTH:
-        raise ApiError(400, f"JSON nested deeper than {api.MAX_JSON_DEPTH} levels")
-    try:
-        req = _DECODER.decode(raw)
-    except msgspec.ValidationError as e:
-        raise api._validation_error(str(e)) from None
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+    req = api.decode(raw, ResponsesRequest)
     handlers.check_model(req.model)
     history: list[api.ChatMessage] = []
     if req.previous_response_id is not None:
