@@ -28,6 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kern.checkpoint_errors import (
+    CheckpointError,
+    ConfigFieldError,
+    MissingFileError,
+    UnsupportedModelError,
+)
+
 __all__ = [
     "FAMILIES",
     "CheckpointError",
@@ -39,36 +46,22 @@ __all__ = [
     "parse_config",
 ]
 
-FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe")
+FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe", "deepseek_v3")
 
 # model_type strings found in config.json files, mapped to the family kern runs them as.
+# Kimi K2 publishes its text model as ``kimi_k2`` (DeepSeek-V3's fields at the top level);
+# Kimi K2.5 as the multimodal ``kimi_k25``, whose ``text_config`` is a ``deepseek_v3`` one.
 _MODEL_TYPES = {
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+    "kimi_k25": "deepseek_v3",
 }
 
 LAYER_TYPES = ("full_attention", "linear_attention")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder or one of its files is not what kern expects.
-
-    The message names the file and what was expected; callers print it unchanged.
-    """
-
-
-class MissingFileError(CheckpointError):
-    """A file the checkpoint needs is not there."""
-
-
-class UnsupportedModelError(CheckpointError):
-    """``config.json`` names a model family (or a variant of one) that kern does not run."""
-
-
-class ConfigFieldError(CheckpointError):
-    """A field of ``config.json`` is missing, of the wrong type, or inconsistent."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +110,27 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     # qwen3_5 full attention: q_proj emits a sigmoid gate beside the queries (2x its width).
     attn_output_gate: bool = False
+    # Multi-head latent attention (deepseek_v3): a token caches kv_lora_rank latent values
+    # and qk_rope_head_dim rotated key values; q_lora_rank 0 means q_proj has no low rank.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeek routing: sigmoid scores plus a correction bias pick experts within the best
+    # topk_group of n_group groups; weights from the unbiased scores x routed_scaling_factor.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    num_mtp_layers: int = 0
+    # RoPE scaling: "default" or "yarn" (deepseek_v3; kern.deepseek_config.yarn's tuple).
+    rope_type: str = "default"
+    rope_yarn: tuple[float, ...] = ()
+    # FP8 block-scaled weights (DeepSeek's quantization_config): the block, or () for none.
+    fp8_block: tuple[int, ...] = ()
     # The whole config.json as read (for a multimodal qwen3_5 file, text fields are in
     # raw["text_config"]). Excluded from equality and hashing: two files that describe the
     # same model compare equal.
@@ -127,8 +141,15 @@ class ModelConfig:
         """How many leading dims of each attention head RoPE rotates."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention caches one latent per token (MLA) instead of K/V per head."""
+        return self.kv_lora_rank > 0
+
     def is_sparse_layer(self, layer_id: int) -> bool:
         """Whether layer ``layer_id`` has a mixture-of-experts MLP (else a dense one)."""
+        if self.model_type == "deepseek_v3":
+            return self.num_experts > 0 and layer_id >= self.first_k_dense_replace
         return (
             self.num_experts > 0
             and layer_id not in self.mlp_only_layers
@@ -169,7 +190,7 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         )
     text = raw
     where = source
-    if model_type == "qwen3_5" and "text_config" in raw:
+    if model_type in ("qwen3_5", "kimi_k25") and "text_config" in raw:
         # The multimodal Qwen3.5 config: the language model's fields live in text_config.
         text = raw["text_config"]
         where = f"{source} (text_config)"
@@ -186,12 +207,17 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
             f"{where}: num_attention_heads ({heads}) must be a multiple of "
             f"num_key_value_heads ({kv_heads})"
         )
-    head_dim_default = {"qwen3": 128, "qwen3_5": 256, "qwen3_moe": hidden // heads}[family]
+    head_dim_default = {
+        "qwen3": 128,
+        "qwen3_5": 256,
+        "qwen3_moe": hidden // heads,
+        "deepseek_v3": f.raw.get("qk_rope_head_dim", 64),
+    }[family]
     hidden_act = f.text("hidden_act", default="silu")
     if hidden_act != "silu":
         raise UnsupportedModelError(f"{where}: hidden_act {hidden_act!r} is not supported (silu)")
 
-    rope_theta, partial_rotary = _rope(f, family, where)
+    rope_theta, partial_rotary, rope_type, rope_yarn = _rope(f, family, where)
 
     tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     if not isinstance(tie, bool):
@@ -209,6 +235,8 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
         rope_theta=rope_theta,
         partial_rotary_factor=partial_rotary,
+        rope_type=rope_type,
+        rope_yarn=rope_yarn,
         tie_word_embeddings=tie,
         max_position_embeddings=f.pos_int("max_position_embeddings", default=32768),
         attention_bias=f.flag("attention_bias", default=False),
@@ -221,6 +249,14 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
 
     if family == "qwen3_5":
         common.update(_qwen3_5_fields(f, num_layers, where))
+    elif family == "deepseek_v3":
+        common["layer_types"] = ("full_attention",) * num_layers
+        from kern.deepseek_config import deepseek_v3_fields
+
+        common.update(deepseek_v3_fields(f, num_layers, heads, where))
+        # transformers sets head_dim to the rotary dims (the part RoPE turns).
+        common["head_dim"] = common["qk_rope_head_dim"]
+        common["num_key_value_heads"] = heads
     else:
         if f.flag("use_sliding_window", default=False):
             raise UnsupportedModelError(
@@ -232,7 +268,7 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
     return ModelConfig(**common)
 
 
-def _rope(f: _Fields, family: str, where: str) -> tuple[float, float]:
+def _rope(f: _Fields, family: str, where: str) -> tuple[float, float, str, tuple[float, ...]]:
     params = f.raw.get("rope_parameters")
     if params is None:
         # Pre-5.0 files: rope_theta at the top level, scaling in rope_scaling.
@@ -240,9 +276,15 @@ def _rope(f: _Fields, family: str, where: str) -> tuple[float, float]:
     if not isinstance(params, dict):
         raise ConfigFieldError(f"{where}: field 'rope_parameters' must be an object")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    yarn: tuple[float, ...] = ()
+    if rope_type == "yarn" and family == "deepseek_v3":
+        from kern.deepseek_config import yarn as parse_yarn
+
+        yarn = parse_yarn(f, params, where)
+    elif rope_type != "default":
+        supported = "'default' and, for deepseek_v3, 'yarn'"
         raise UnsupportedModelError(
-            f"{where}: rope_type {rope_type!r} is not supported (kern implements 'default' RoPE)"
+            f"{where}: rope_type {rope_type!r} is not supported (kern implements {supported})"
         )
     theta = params.get("rope_theta", f.raw.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, int | float) or not theta > 0:
@@ -256,7 +298,7 @@ def _rope(f: _Fields, family: str, where: str) -> tuple[float, float]:
             raise ConfigFieldError(f"{where}: partial_rotary_factor must be a number")
         if not 0 < partial <= 1:
             raise ConfigFieldError(f"{where}: partial_rotary_factor {partial} is not in (0, 1]")
-    return float(theta), float(partial)
+    return float(theta), float(partial), rope_type, yarn
 
 
 def _qwen3_5_fields(f: _Fields, num_layers: int, where: str) -> dict[str, Any]:

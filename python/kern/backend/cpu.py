@@ -150,11 +150,25 @@ class CpuOps:
         variance = x.pow(2).mean(-1, keepdim=True)
         return (w * (x * variance.add_(eps).rsqrt_())) * silu(z)
 
-    def plan_rope(self, positions: Tensor, theta: float, rotary_dim: int):
+    def plan_rope(
+        self,
+        positions: Tensor,
+        theta: float,
+        rotary_dim: int,
+        inv_freq: Tensor | None = None,
+        scaling: float = 1.0,
+    ):
         """cos and sin [T, 1, rotary_dim / 2] for the step, shared by every layer: the
-        reference's tables, built once per step instead of twice per layer."""
-        freqs = positions[:, None].float() * _rotary_ref.inv_freq(theta, rotary_dim)
-        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        reference's tables, built once per step instead of twice per layer. ``inv_freq``
+        (YaRN's, ``kern.rope``) replaces theta's; both tables are scaled by ``scaling``
+        (YaRN's attention factor), as transformers scales them."""
+        if inv_freq is None:
+            inv_freq = _rotary_ref.inv_freq(theta, rotary_dim)
+        freqs = positions[:, None].float() * inv_freq
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        return cos[:, None, :], sin[:, None, :]
 
     def rotary(self, x: Tensor, rope, rotary_dim: int) -> Tensor:
         """The reference's ``apply_rotary`` on x [T, H, D] with the step's tables. Its
@@ -201,6 +215,43 @@ class CpuOps:
             step.page_ids,
             step.page_offsets,
         )
+
+    def plan_latent_attention(self, step: Step, kv_arena: Tensor, num_heads: int):
+        """kv_arena: the runner's latent pages [P, layers, page_tokens, C]; every one of the
+        ``num_heads`` query heads reads the one latent "KV head"."""
+        _, _, page_tokens, dim = kv_arena.shape
+        return _cpu_attn.plan_attention(
+            step.q_starts,
+            step.q_lens,
+            step.ctx_lens,
+            step.block_tables,
+            page_tokens,
+            1,
+            num_heads,
+            dim,
+            kv_arena.stride(0),
+            step.page_ids,
+            step.page_offsets,
+        )
+
+    def write_latent(self, step: Step, entry: Tensor, cache: Tensor) -> None:
+        """entry [T, C] into a layer's latent pages [P, page_tokens, C]."""
+        _cpu_attn.write_latent(step.attention, entry, cache)
+
+    def latent_attention(
+        self, step: Step, q: Tensor, cache: Tensor, scale: float, v_dim: int
+    ) -> Tensor:
+        """q [T, H, C] over a layer's latent pages -> [T, H, v_dim]."""
+        return _cpu_attn.attend_latent(step.attention, q, cache, scale, v_dim)
+
+    def prepare_head_linear(self, w: Tensor) -> list[CpuLinear]:
+        """Per-head weights [H, out, in] for :meth:`head_linear`."""
+        return [self.prepare_linear(w[h]) for h in range(w.shape[0])]
+
+    def head_linear(self, x: Tensor, w: list[CpuLinear]) -> Tensor:
+        """x [T, H, in] -> [T, H, out], head h through its own weight: one batch-invariant
+        linear per head (a batched matmul's rows are not promised to keep their bits)."""
+        return torch.stack([self.linear(x[:, h], wh) for h, wh in enumerate(w)], dim=1)
 
     def kv_views(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
         """A layer's K and V as [P, page_tokens, Hk, D] views (how this backend lays them

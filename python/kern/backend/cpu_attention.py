@@ -30,6 +30,13 @@ Design notes
     gets the bits it would get with only its own blocks, however many blocks its batch had.
   The result differs from transformers' eager softmax-then-matmul by float32 rounding only
   (and by exponents below -87 being clamped there: a weight of 1.6e-38 instead of less).
+* Latent pages (multi-head latent attention, ``attend_latent``): every query head reads the
+  one cached vector per token, the key being the whole vector and the value its first
+  ``v_dim`` values. A unit's pages are gathered once as rows of ``page_tokens * C`` values;
+  the key operand is that gather transposed into a contiguous [C, keys] copy and the value
+  operand its first ``v_dim`` columns made contiguous, so both matmuls see the operands the
+  GQA path gives them (copies are exact), and the softmax and block sums are the same code.
+  All H heads of a row are the M rows of one matmul (one KV head, group size H).
 * Unused cache rows are never NaN (the runner zero-fills its arena) and every cache value is
   finite, so stale keys only shift hidden scores that are discarded, and stale values meet
   p = 0 exactly.
@@ -67,6 +74,7 @@ class _Group:
     visible: Tensor  # same shape, float: 1 where visible, 0 where not
     src: Tensor  # [n] int64: which of the I * R unit rows are real
     dst: Tensor  # [n] int64: the q row each real unit row is
+    pages: Tensor  # [I * NP] int64: each unit's pages, in order (latent pages' rows)
     num_blocks: int
     # Gather buffers, allocated by the first layer and reused by the others: every layer's
     # gather has the same shape, and fresh multi-MB buffers cost page faults each time.
@@ -196,7 +204,17 @@ def _group(
     real = torch.arange(r)[None, :] < n[:, None]
     src = real.flatten().nonzero().flatten()
     dst = rows.flatten()[src]
-    return _Group(rows, k_rows.flatten(), v_rows.flatten(), bias, visible, src, dst, num_blocks)
+    return _Group(
+        rows,
+        k_rows.flatten(),
+        v_rows.flatten(),
+        bias,
+        visible,
+        src,
+        dst,
+        pages.flatten(),
+        num_blocks,
+    )
 
 
 def kv_views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
@@ -228,7 +246,7 @@ def attend(plan: CpuAttentionPlan, q: Tensor, kv_cache: Tensor, scale: float) ->
     """q: [T, Hq, D]; kv_cache: the layer's arena slice (see kv_views), already holding this
     step's keys and values -> [T, Hq, D]. Pure."""
     num_tokens, num_q_heads, head_dim = q.shape
-    hk, rep = plan.num_kv_heads, plan.group_size
+    hk = plan.num_kv_heads
     num_pages, page_tokens = kv_cache.shape[0], kv_cache.shape[3]
     page_stride = kv_cache.stride(0)
     chunk = page_tokens * head_dim
@@ -244,35 +262,79 @@ def attend(plan: CpuAttentionPlan, q: Tensor, kv_cache: Tensor, scale: float) ->
     )
     out = q.new_empty(num_tokens, num_q_heads, head_dim)
     for g in plan.groups:
-        units, r = g.rows.shape
+        units = g.rows.shape[0]
         nb = g.num_blocks
-        m = r * rep
-        # [I, Hk, M, D] with unit rows ordered (row, query head within the KV group)
-        qg = q[g.rows].view(units, r, hk, rep, head_dim).permute(0, 2, 1, 3, 4)
-        qg = qg.reshape(units, hk, m, head_dim)
-        n_keys = nb * KEY_BLOCK
         # [I, Hk, D, keys] and [I, Hk, NB, KB, D], each one gather of whole rows
         if not g.scratch:
             g.scratch["k"] = k_rows.new_empty(g.k_rows.shape[0], page_tokens)
             g.scratch["v"] = v_rows.new_empty(g.v_rows.shape[0], chunk)
         k = torch.index_select(k_rows, 0, g.k_rows, out=g.scratch["k"])
         v = torch.index_select(v_rows, 0, g.v_rows, out=g.scratch["v"])
-        k = k.view(units, hk, head_dim, n_keys)
+        k = k.view(units, hk, head_dim, nb * KEY_BLOCK)
         v = v.view(units, hk, nb, KEY_BLOCK, head_dim)
-        s = torch.matmul(qg, k)  # [I, Hk, M, NB*KB]
-        # Masking by arithmetic: a bool masked_fill/where ran ~15x slower than a multiply
-        # here, and exp(-inf) and denormal results take slow paths (12x and 170x measured).
-        # Hidden scores become -1e30 (the max stays a visible score, exactly), exponents
-        # are clamped to >= -87 (exp stays a normal float) and hidden p are zeroed exactly.
-        s.mul_(scale).add_(g.bias)
-        s.sub_(s.amax(-1, keepdim=True)).clamp_(min=_MIN_EXPONENT)
-        p = s.exp_().mul_(g.visible).view(units, hk, m, nb, KEY_BLOCK)
-        denom = _tree_sum(p.sum(-1), 3)  # [I, Hk, M]
-        o = _tree_sum(torch.matmul(p.transpose(2, 3), v), 2)  # [I, Hk, M, D]
-        o = o / denom.unsqueeze(-1)
-        o = o.view(units, hk, r, rep, head_dim).permute(0, 2, 1, 3, 4)
-        out[g.dst] = o.reshape(units * r, num_q_heads, head_dim)[g.src]
+        _softmax_pv(plan, g, q, k, v, scale, out)
     return out
+
+
+def write_latent(plan: CpuAttentionPlan, entry: Tensor, cache: Tensor) -> None:
+    """Mutates cache ([P, page_tokens, C], a layer's latent pages): entry [T, C] at the
+    step's positions."""
+    cache[plan.page_ids, plan.page_offsets] = entry
+
+
+def attend_latent(
+    plan: CpuAttentionPlan, q: Tensor, cache: Tensor, scale: float, v_dim: int
+) -> Tensor:
+    """q: [T, H, C] (queries in the latent space); cache: the layer's latent pages [P,
+    page_tokens, C], already holding this step's entries -> [T, H, v_dim]: softmax of
+    q . entry over the visible entries, times each entry's first v_dim values. Pure."""
+    num_tokens, num_heads, dim = q.shape
+    num_pages, page_tokens = cache.shape[:2]
+    chunk = page_tokens * dim
+    # The layer's pages as rows of page_tokens * C values from its first element; page p is
+    # row p * (page stride / chunk) (rows of other layers in between are never indexed).
+    per_page = cache.stride(0) // chunk
+    rows = cache.as_strided(((num_pages - 1) * per_page + 1, chunk), (chunk, 1))
+    out = q.new_empty(num_tokens, num_heads, v_dim)
+    for g in plan.groups:
+        units = g.rows.shape[0]
+        nb = g.num_blocks
+        if not g.scratch:
+            g.scratch["k"] = rows.new_empty(g.pages.shape[0], chunk)
+        pages = torch.index_select(rows, 0, g.pages * per_page, out=g.scratch["k"])
+        keys = pages.view(units, nb * KEY_BLOCK, dim)
+        k = keys.transpose(1, 2).contiguous().view(units, 1, dim, nb * KEY_BLOCK)
+        v = keys[:, :, :v_dim].contiguous().view(units, 1, nb, KEY_BLOCK, v_dim)
+        _softmax_pv(plan, g, q, k, v, scale, out)
+    return out
+
+
+def _softmax_pv(
+    plan: CpuAttentionPlan, g: _Group, q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor
+) -> None:
+    """One group's rows of ``out``: q [T, Hq, D], k [I, Hk, D, keys], v [I, Hk, NB, KB, Dv]."""
+    num_q_heads, head_dim = q.shape[1:]
+    hk, rep = plan.num_kv_heads, plan.group_size
+    units, r = g.rows.shape
+    nb = g.num_blocks
+    m = r * rep
+    v_dim = v.shape[-1]
+    # [I, Hk, M, D] with unit rows ordered (row, query head within the KV group)
+    qg = q[g.rows].view(units, r, hk, rep, head_dim).permute(0, 2, 1, 3, 4)
+    qg = qg.reshape(units, hk, m, head_dim)
+    s = torch.matmul(qg, k)  # [I, Hk, M, NB*KB]
+    # Masking by arithmetic: a bool masked_fill/where ran ~15x slower than a multiply
+    # here, and exp(-inf) and denormal results take slow paths (12x and 170x measured).
+    # Hidden scores become -1e30 (the max stays a visible score, exactly), exponents
+    # are clamped to >= -87 (exp stays a normal float) and hidden p are zeroed exactly.
+    s.mul_(scale).add_(g.bias)
+    s.sub_(s.amax(-1, keepdim=True)).clamp_(min=_MIN_EXPONENT)
+    p = s.exp_().mul_(g.visible).view(units, hk, m, nb, KEY_BLOCK)
+    denom = _tree_sum(p.sum(-1), 3)  # [I, Hk, M]
+    o = _tree_sum(torch.matmul(p.transpose(2, 3), v), 2)  # [I, Hk, M, Dv]
+    o = o / denom.unsqueeze(-1)
+    o = o.view(units, hk, r, rep, v_dim).permute(0, 2, 1, 3, 4)
+    out[g.dst] = o.reshape(units * r, num_q_heads, v_dim)[g.src]
 
 
 def _tree_sum(x: Tensor, dim: int) -> Tensor:

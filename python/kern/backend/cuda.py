@@ -40,6 +40,7 @@ class CudaOps:
         self._conv = self._kernel("causal_conv1d")
         self._gdr = self._kernel("gated_delta_rule")
         self._matmul = self._kernel("matmul")
+        self._mla = self._kernel("mla_attention")
 
     def _kernel(self, op: str):
         """The Triton wrapper of ``kern.kernels.<op>``; ReferenceOps takes the torch reference
@@ -74,10 +75,34 @@ class CudaOps:
     def gated_rms_norm(self, x: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
         return self._norm.gated_rms_norm(x, z, w, eps)
 
-    def plan_rope(self, positions: Tensor, theta: float, rotary_dim: int):
-        return (positions, theta)
+    def plan_rope(
+        self,
+        positions: Tensor,
+        theta: float,
+        rotary_dim: int,
+        inv_freq: Tensor | None = None,
+        scaling: float = 1.0,
+    ):
+        if inv_freq is None and scaling == 1.0:
+            return (positions, theta)
+        # YaRN (deepseek_v3): its own frequencies and scaled tables, which the rotary kernel
+        # does not take; built once per step in float32 and applied by torch ops.
+        if inv_freq is None:
+            inv_freq = self._rotary_inv_freq(theta, rotary_dim)
+        freqs = positions.to(self.device)[:, None].float() * inv_freq.to(self.device)
+        return (freqs.cos()[:, None, :] * scaling, freqs.sin()[:, None, :] * scaling)
+
+    def _rotary_inv_freq(self, theta: float, rotary_dim: int) -> Tensor:
+        return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
 
     def rotary(self, x: Tensor, rope, rotary_dim: int) -> Tensor:
+        if isinstance(rope[1], Tensor):
+            cos, sin = rope
+            half = rotary_dim // 2
+            x32 = x.float()
+            x1, x2 = x32[..., :half], x32[..., half:rotary_dim]
+            parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary_dim:]]
+            return torch.cat(parts, dim=-1).to(x.dtype)
         positions, theta = rope
         return self._rotary.apply_rotary(x, positions, theta, rotary_dim)
 
@@ -116,6 +141,34 @@ class CudaOps:
         if p.tiles is None:
             return self._attn.paged_attention(*args)
         return self._attn.paged_attention(*args, tiles=p.tiles)
+
+    def plan_latent_attention(self, step: Step, kv_arena: Tensor, num_heads: int):
+        dev = self.device
+        return _CudaAttentionPlan(
+            block_tables=step.block_tables.to(device=dev, dtype=torch.int32),
+            seq_lens=torch.tensor(step.ctx_lens, dtype=torch.int32, device=dev),
+            query_start_loc=_query_start_loc(step, dev),
+            tiles=None,
+        )
+
+    def write_latent(self, step: Step, entry: Tensor, cache: Tensor) -> None:
+        self._mla.write_latent(entry, cache, step.slot_mapping)
+
+    def latent_attention(
+        self, step: Step, q: Tensor, cache: Tensor, scale: float, v_dim: int
+    ) -> Tensor:
+        p = step.attention
+        return self._mla.mla_attention(
+            q.contiguous(), cache, p.block_tables, p.seq_lens, p.query_start_loc, scale, v_dim
+        )
+
+    def prepare_head_linear(self, w: Tensor) -> Tensor:
+        """Per-head weights [H, out, in], stored [H, in, out] for one batched matmul."""
+        return w.to(device=self.device, dtype=self.dtype).transpose(1, 2).contiguous()
+
+    def head_linear(self, x: Tensor, w: Tensor) -> Tensor:
+        """x [T, H, in] -> [T, H, out]: one batched matmul over the heads."""
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
     def plan_recurrent(
         self, step: Step, slots: list[int], snapshot_seqs: list[int], conv_width: int

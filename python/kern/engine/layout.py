@@ -3,10 +3,15 @@ model's config and the backend, and read by both the cache's books and the runne
 
 Design notes
 ------------
-* A page is ``page_tokens`` positions of every full-attention layer's K and V:
-  ``[attention layers, 2, Hk, page_tokens, D]`` in the backend's dtype, contiguous, so parking
-  or waking a page is one row of bytes. How K and V sit inside a page is the backend's choice
-  (the CPU stores K transposed; ``ops.kv_views``), not the layout's.
+* A page is ``page_tokens`` positions of every attention layer, in one of two page classes,
+  in the backend's dtype, contiguous, so parking or waking a page is one row of bytes:
+  - ``kv`` (GQA): each layer's K and V per head, ``[attention layers, 2, Hk, page_tokens,
+    D]``. How K and V sit inside a page is the backend's choice (the CPU stores K
+    transposed; ``ops.kv_views``), not the layout's.
+  - ``latent`` (multi-head latent attention): each layer's one cached vector per token, the
+    normalised latent then the rotated RoPE key, ``[attention layers, page_tokens,
+    kv_lora_rank + qk_rope_head_dim]``: 576 values a token a layer at DeepSeek-V3's dims,
+    where K and V per head would be 128 x (192 + 128).
 * A slot is every linear-attention layer's state: the delta-rule state first
   (``[linear layers, Hv, Dk, Dv]``, float32, as the delta rule keeps it), then the conv state
   (``[linear layers, C, K - 1]`` in the backend's dtype). Float32 first keeps both parts
@@ -32,7 +37,8 @@ class Layout:
 
     page_tokens: int
     dtype: torch.dtype  # K/V and conv state
-    page_shape: tuple[int, ...]  # [attention layers, 2, Hk, page_tokens, D]
+    # kv: [attention layers, 2, Hk, page_tokens, D]; latent: [attention layers, page_tokens, C]
+    page_shape: tuple[int, ...]
     delta_shape: tuple[int, ...]  # [linear layers, Hv, Dk, Dv], float32; () when stateless
     conv_shape: tuple[int, ...]  # [linear layers, C, K - 1]; () when stateless
 
@@ -59,7 +65,14 @@ class Layout:
                 c.linear_value_head_dim,
             )
             conv_shape = (num_linear, conv_dim, c.linear_conv_kernel_dim - 1)
+        if c.latent_attention:
+            page_shape = (num_attention, page_tokens, c.kv_lora_rank + c.qk_rope_head_dim)
         return cls(page_tokens, dtype, page_shape, delta_shape, conv_shape)
+
+    @property
+    def page_class(self) -> str:
+        """``kv`` (K and V per head) or ``latent`` (one latent vector per token)."""
+        return "latent" if len(self.page_shape) == 3 else "kv"
 
     @property
     def num_attention_layers(self) -> int:

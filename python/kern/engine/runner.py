@@ -8,12 +8,13 @@ Design notes
   tensor itself.
 * One device arena per budget, viewed as pages and as slots (``kern.engine.arena``), laid out by
   ``kern.engine.layout.Layout``:
-  - KV pages: ``kv_arena[num_pages, num_attention_layers, 2, Hk, page_tokens, D]``. A page is
-    ``page_tokens`` positions of every attention layer's K and V, contiguous, so copying,
-    parking or waking a page is one row of the arena. Layer ``l`` reads and writes the
-    strided view ``kv_arena[:, l]``; how K and V sit inside a page is the backend's choice
-    (the CPU stores K transposed, see ``kern.backend.cpu_attention``), so read positions through
-    :meth:`Runner.kv_at`, not by indexing the arena.
+  - KV pages: ``kv_arena[num_pages, num_attention_layers, 2, Hk, page_tokens, D]``, or for
+    latent attention ``kv_arena[num_pages, num_attention_layers, page_tokens, C]`` (the page
+    classes of ``kern.engine.layout``). A page is ``page_tokens`` positions of every attention
+    layer, contiguous, so copying, parking or waking a page is one row of the arena. Layer
+    ``l`` reads and writes the strided view ``kv_arena[:, l]``; how K and V sit inside a page
+    is the backend's choice (the CPU stores K transposed, see ``kern.backend.cpu_attention``),
+    so read positions through :meth:`Runner.kv_at`, not by indexing the arena.
   - State slots (stateful models): ``delta_states[num_slots, L_lin, Hv, Dk, Dv]`` (float32,
     as the delta rule keeps it) and ``conv_states[num_slots, L_lin, C, K-1]`` (model dtype),
     one row per slot across all linear layers for the same reason.
@@ -49,6 +50,7 @@ from kern.engine.arena import Arena, Placement, land
 from kern.engine.layout import Layout
 from kern.models import Caches, build_model
 from kern.pool import CopyPlan
+from kern.rope import rope_frequencies
 
 __all__ = ["Runner"]
 
@@ -99,6 +101,7 @@ class Runner:
         self.conv_states = self.arena.conv
         self.delta_states = self.arena.delta
         self._kv = [self.kv_arena[:, i] for i in range(layout.num_attention_layers)]
+        self._rope = rope_frequencies(c)
         self._row_states: dict[int, tuple[int, int]] = {}  # slot -> (first row, num rows)
         self._row_conv: Tensor | None = None
         self._row_delta: Tensor | None = None
@@ -161,7 +164,9 @@ class Runner:
         step = build_step(batch, self.page_tokens, self.device)
         c = self.config
         attention = None
-        if self.model.num_attention_layers:
+        if self.layout.page_class == "latent":
+            attention = self.ops.plan_latent_attention(step, self.kv_arena, c.num_attention_heads)
+        elif self.model.num_attention_layers:
             attention = self.ops.plan_attention(
                 step, self.kv_arena, c.num_attention_heads // c.num_key_value_heads
             )
@@ -191,7 +196,7 @@ class Runner:
                 caches.conv_snap = [self._row_conv[:, i] for i in range(num_linear)]
                 caches.delta_snap = [self._row_delta[:, i] for i in range(num_linear)]
                 self._row_states = {slots[b]: (first[b], step.q_lens[b]) for b in verify}
-        rope = self.ops.plan_rope(step.positions, c.rope_theta, c.rotary_dim)
+        rope = self.ops.plan_rope(step.positions, c.rope_theta, c.rotary_dim, *self._rope)
         step = replace(step, rope=rope, attention=attention, recurrent=recurrent)
         hidden = self.model.forward(step, caches)
         return self.model.logits(hidden[step.logit_rows])
@@ -250,10 +255,13 @@ class Runner:
         )
 
     def kv_at(self, block_table: Sequence[int], positions: Sequence[int]) -> Tensor:
-        """A copy of the K/V at ``positions`` of a sequence: [n, layers, 2, Hk, D]."""
+        """A copy of the K/V at ``positions`` of a sequence: [n, layers, 2, Hk, D], or for
+        latent pages the cached vectors, [n, layers, C]."""
         pos = torch.tensor(list(positions), device=self.device)
         pages = torch.tensor(list(block_table), device=self.device)[pos // self.page_tokens]
         offsets = pos % self.page_tokens
+        if self.layout.page_class == "latent":
+            return torch.stack([layer[pages, offsets] for layer in self._kv], dim=1)
         out = []
         for layer in self._kv:
             k, v = self.ops.kv_views(layer)
