@@ -10,7 +10,7 @@ import torch
 from kern.bench.invariance import run_invariance
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_5"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3"])
 def ckpt(request, tiny):
     return tiny(request.param)
 

@@ -49,6 +49,14 @@ CASES = {
         dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3]),
     ),
     "qwen3_5-default": ("qwen3_5", dict(), {}),
+    "deepseek_v3-q-lora": ("deepseek_v3", dict(), {}),
+    # no q-LoRA, YaRN at 4x an original context of 64 (the prompt and decode run past it),
+    # groups of 4 experts of which the best 2 count, 3 experts a token
+    "deepseek_v3-no-q-lora-yarn": (
+        "deepseek_v3",
+        dict(q_lora_rank=0, yarn_factor=4.0, experts=16, n_group=4, topk_group=2, experts_per_tok=3),
+        {},
+    ),
     "qwen3_5-d64-tied-k2v2": (
         "qwen3_5",
         dict(

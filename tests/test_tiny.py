@@ -23,7 +23,7 @@ def digests(folder: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_moe", "deepseek_v3"])
 def test_same_arguments_same_bytes_across_processes(family, tmp_path):
     make_tiny(family, tmp_path / "a", seed=3)
     # A second interpreter with another hash seed: no set or dict order may leak into files.
@@ -118,6 +118,8 @@ CASES = {
     "qwen3_moe-sparse-step": dict(
         layers=4, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3]
     ),
+    "deepseek_v3": {},
+    "deepseek_v3-no-q-lora-yarn": dict(q_lora_rank=0, yarn_factor=4.0),
 }
 
 

@@ -34,6 +34,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from kern.model_config import CheckpointError, MissingFileError, ModelConfig, load_config
+from kern.tensor_names import canonical_name, expected_shapes, mtp_shapes
 from kern.tokenizer import Tokenizer
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "Part",
     "expected_shapes",
     "load_checkpoint",
+    "mtp_shapes",
     "parse_dtype",
     "read_tensors",
 ]
@@ -62,6 +64,9 @@ DTYPES: dict[str, torch.dtype] = {
 # safetensors header dtypes that hold weights kern can cast; integer tensors are quantized
 # formats kern does not read.
 _FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+# Block-scaled FP8 (DeepSeek's release): read only with a ``weight_scale_inv`` beside it.
+_FP8 = "F8_E4M3"
+_SCALE_SUFFIX = "_scale_inv"
 
 # (dim, start, stop) of a stored tensor: the rows (dim 0) or columns (dim 1) a reader takes.
 Part = tuple[int, int, int]
@@ -117,101 +122,14 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of ``config`` must hold, with its shape.
-
-    ``lm_head.weight`` is left out when the embeddings are tied (it is optional then).
-    """
-    c = config
-    h, v = c.hidden_size, c.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (v, h),
-        "model.norm.weight": (h,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if c.is_linear_layer(i):
-            shapes.update(_linear_attention(c, p + "linear_attn."))
-        else:
-            shapes.update(_attention(c, p + "self_attn."))
-        if c.is_sparse_layer(i):
-            shapes[p + "mlp.gate.weight"] = (c.num_experts, h)
-            for e in range(c.num_experts):
-                shapes.update(_mlp(h, c.moe_intermediate_size, f"{p}mlp.experts.{e}."))
-        else:
-            shapes.update(_mlp(h, c.intermediate_size, p + "mlp."))
-    return shapes
-
-
-def _attention(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    q_width = c.num_attention_heads * c.head_dim
-    kv_width = c.num_key_value_heads * c.head_dim
-    # Qwen3.5's q_proj emits, per head, head_dim queries followed by head_dim gate logits.
-    q_out = 2 * q_width if c.attn_output_gate else q_width
-    out = {
-        p + "q_proj.weight": (q_out, c.hidden_size),
-        p + "k_proj.weight": (kv_width, c.hidden_size),
-        p + "v_proj.weight": (kv_width, c.hidden_size),
-        p + "o_proj.weight": (c.hidden_size, q_width),
-        p + "q_norm.weight": (c.head_dim,),
-        p + "k_norm.weight": (c.head_dim,),
-    }
-    if c.attention_bias:
-        out[p + "q_proj.bias"] = (q_out,)
-        out[p + "k_proj.bias"] = (kv_width,)
-        out[p + "v_proj.bias"] = (kv_width,)
-        out[p + "o_proj.bias"] = (c.hidden_size,)
-    return out
-
-
-def _linear_attention(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
-    value_dim = c.linear_num_value_heads * c.linear_value_head_dim
-    conv_dim = 2 * key_dim + value_dim
-    nv = c.linear_num_value_heads
-    return {
-        p + "in_proj_qkv.weight": (conv_dim, c.hidden_size),
-        p + "in_proj_z.weight": (value_dim, c.hidden_size),
-        p + "in_proj_b.weight": (nv, c.hidden_size),
-        p + "in_proj_a.weight": (nv, c.hidden_size),
-        p + "conv1d.weight": (conv_dim, 1, c.linear_conv_kernel_dim),
-        p + "dt_bias": (nv,),
-        p + "A_log": (nv,),
-        p + "norm.weight": (c.linear_value_head_dim,),
-        p + "out_proj.weight": (c.hidden_size, value_dim),
-    }
-
-
-def _mlp(hidden: int, inner: int, p: str) -> dict[str, tuple[int, ...]]:
-    return {
-        p + "gate_proj.weight": (inner, hidden),
-        p + "up_proj.weight": (inner, hidden),
-        p + "down_proj.weight": (hidden, inner),
-    }
-
-
-def _canonical_name(config: ModelConfig, name: str) -> str | None:
-    """The name kern uses for a stored tensor, or None for a tensor kern does not read."""
-    if name.endswith(".rotary_emb.inv_freq"):  # a buffer some old exports saved
-        return None
-    if config.model_type == "qwen3_5":
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model.") :]
-        if name.startswith(("model.visual.", "mtp.")):
-            return None
-    return name
-
-
 @dataclass(frozen=True)
 class _Entry:
     file: Path
     stored_name: str
     shape: tuple[int, ...]
     dtype: str
+    scale: _Entry | None = None  # an FP8 weight's block scales (weight_scale_inv)
+    block: tuple[int, ...] = ()  # and the block they scale
 
 
 def load_checkpoint(
@@ -220,12 +138,15 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
     progress: bool | None = None,
+    mtp: bool = False,
 ) -> Checkpoint:
     """Load a checkpoint folder: ``config.json``, ``*.safetensors``, ``tokenizer.json``.
 
     Every tensor is validated against :func:`expected_shapes` before any data is read, then
-    cast to ``dtype`` and placed on ``device``. ``progress`` shows a progress bar on stderr;
-    None shows it only when stderr is a terminal.
+    cast to ``dtype`` and placed on ``device`` (block-scaled FP8 weights are dequantised in
+    float32 first). ``progress`` shows a progress bar on stderr; None shows it only when
+    stderr is a terminal. ``mtp`` also reads (and requires) a deepseek_v3 checkpoint's
+    multi-token-prediction layers, which are otherwise skipped unread.
 
     Raises :class:`~kern.model_config.CheckpointError` subclasses naming the file and what was
     expected: :class:`~kern.model_config.MissingFileError`, :class:`MissingShardError`,
@@ -238,8 +159,8 @@ def load_checkpoint(
         raise MissingFileError(f"{path}: no such checkpoint folder")
     dtype = parse_dtype(dtype)
     config = load_config(path)
-    entries = _index_tensors(path, config)
-    _validate(path, config, entries)
+    entries = _index_tensors(path, config, mtp)
+    _validate(path, config, entries, mtp)
     tokenizer = Tokenizer.from_dir(path, extra_eos_token_ids=_eos_token_ids(path, config))
 
     if progress is None:
@@ -280,7 +201,12 @@ def read_tensors(
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name, entry in by_file[file]:
                     parts = None if pick is None else pick(name)
-                    if parts is None:
+                    if entry.scale is not None:
+                        t = _dequantize(f.get_tensor(entry.stored_name), entry)
+                        if parts is not None:
+                            pieces = [t[a:b] if d == 0 else t[:, a:b] for d, a, b in parts]
+                            t = torch.cat(pieces, dim=parts[0][0])
+                    elif parts is None:
                         t = f.get_tensor(entry.stored_name)
                     else:
                         view = f.get_slice(entry.stored_name)
@@ -291,9 +217,26 @@ def read_tensors(
     return tensors
 
 
+def _dequantize(weight: torch.Tensor, entry: _Entry) -> torch.Tensor:
+    """A block-scaled FP8 weight in float32: each (b0 x b1) block times its scale."""
+    assert entry.scale is not None
+    with safe_open(str(entry.scale.file), framework="pt", device=str(weight.device)) as f:
+        s = f.get_tensor(entry.scale.stored_name).float()
+    rows, cols = weight.shape
+    b0, b1 = entry.block
+    s = s.repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
+    return weight.float() * s
+
+
 def _num_bytes(entry: _Entry) -> int:
-    n = _FLOAT_DTYPES[entry.dtype]
-    for d in entry.shape:
+    if entry.dtype == _FP8:
+        return _num_bytes_of(1, entry.shape) + (_num_bytes(entry.scale) if entry.scale else 0)
+    return _num_bytes_of(_FLOAT_DTYPES[entry.dtype], entry.shape)
+
+
+def _num_bytes_of(itemsize: int, shape: tuple[int, ...]) -> int:
+    n = itemsize
+    for d in shape:
         n *= d
     return n
 
@@ -333,8 +276,9 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, Path |
     raise MissingFileError(f"{path}: no *.safetensors files (nor {_INDEX})")
 
 
-def _index_tensors(path: Path, config: ModelConfig) -> dict[str, _Entry]:
-    """Name -> where it is stored, from the safetensors headers alone (no data is read)."""
+def _index_tensors(path: Path, config: ModelConfig, mtp: bool = False) -> dict[str, _Entry]:
+    """Name -> where it is stored, from the safetensors headers alone (no data is read);
+    an FP8 weight's entry carries its scales'. ``mtp``: see :func:`_canonical_name`."""
     files, weight_map, index_file = _weight_files(path)
     entries: dict[str, _Entry] = {}
     for file in files:
@@ -348,7 +292,7 @@ def _index_tensors(path: Path, config: ModelConfig) -> dict[str, _Entry]:
                     # The index is the authority on where a tensor lives; a stray copy in
                     # another shard would otherwise be read depending on file order.
                     continue
-                name = _canonical_name(config, stored)
+                name = canonical_name(config, stored, mtp)
                 if name is None:
                     continue
                 if name in entries:
@@ -360,18 +304,59 @@ def _index_tensors(path: Path, config: ModelConfig) -> dict[str, _Entry]:
     if weight_map is not None:
         found = {e.stored_name for e in entries.values()}
         for stored, shard in sorted(weight_map.items()):
-            if stored not in found and _canonical_name(config, stored) is not None:
+            if stored not in found and canonical_name(config, stored, mtp) is not None:
                 raise MissingTensorError(
                     f"{index_file} says tensor {stored!r} is in {shard}, but it is not there"
                 )
-    return entries
+    return _pair_scales(config, entries)
 
 
-def _validate(path: Path, config: ModelConfig, entries: dict[str, _Entry]) -> None:
+def _pair_scales(config: ModelConfig, entries: dict[str, _Entry]) -> dict[str, _Entry]:
+    """Attach each ``weight_scale_inv`` to its FP8 weight (checked: dtype, block count)."""
+    out: dict[str, _Entry] = {}
+    for name, entry in entries.items():
+        if name.endswith(_SCALE_SUFFIX) and name[: -len(_SCALE_SUFFIX)] in entries:
+            continue
+        if entry.dtype != _FP8:
+            out[name] = entry
+            continue
+        where = f"{entry.file}: tensor {entry.stored_name!r}"
+        if not config.fp8_block:
+            raise TensorError(
+                f"{where} is {_FP8}, but config.json has no fp8 quantization_config with a "
+                "weight_block_size"
+            )
+        scale = entries.get(name + _SCALE_SUFFIX)
+        if scale is None or len(entry.shape) != 2:
+            raise TensorError(f"{where} is {_FP8} without a 2-d {name + _SCALE_SUFFIX!r}")
+        b0, b1 = config.fp8_block
+        want = (-(-entry.shape[0] // b0), -(-entry.shape[1] // b1))
+        if scale.shape != want or scale.dtype not in _FLOAT_DTYPES:
+            raise TensorShapeError(
+                f"{scale.file}: tensor {scale.stored_name!r} has shape {list(scale.shape)} "
+                f"({scale.dtype}), expected float scales of shape {list(want)} for "
+                f"{list(entry.shape)} in {b0} x {b1} blocks"
+            )
+        out[name] = _Entry(entry.file, entry.stored_name, entry.shape, _FP8, scale, (b0, b1))
+    return out
+
+
+def _validate(
+    path: Path, config: ModelConfig, entries: dict[str, _Entry], mtp: bool = False
+) -> None:
     expected = expected_shapes(config)
     optional: dict[str, tuple[int, ...]] = {}
     if config.tie_word_embeddings:
         optional["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    if mtp:
+        if not config.num_mtp_layers:
+            raise MissingTensorError(
+                f"{path}: config.json has no multi-token-prediction layer "
+                "(num_nextn_predict_layers is 0): nothing to draft with"
+            )
+        shapes, may_lack = mtp_shapes(config)
+        expected.update({k: v for k, v in shapes.items() if k not in may_lack})
+        optional.update({k: shapes[k] for k in may_lack})
     where = f"{path} ({config.model_type}, {config.num_hidden_layers} layers)"
 
     missing = sorted(set(expected) - set(entries))
@@ -394,10 +379,11 @@ def _validate(path: Path, config: ModelConfig, entries: dict[str, _Entry]) -> No
                 f"{entry.file}: tensor {entry.stored_name!r} has shape {list(entry.shape)}, "
                 f"expected {list(want)} from config.json"
             )
-        if entry.dtype not in _FLOAT_DTYPES:
+        if entry.dtype not in _FLOAT_DTYPES and entry.dtype != _FP8:
             raise TensorError(
                 f"{entry.file}: tensor {entry.stored_name!r} has dtype {entry.dtype}; kern "
-                f"loads floating-point weights only ({', '.join(_FLOAT_DTYPES)})"
+                f"loads floating-point weights only ({', '.join(_FLOAT_DTYPES)}, and "
+                f"block-scaled {_FP8})"
             )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kern.cli.args import index_list, positive_int
+from kern.cli.args import count, index_list, positive_int
 from kern.errors import UsageError
 from kern.model_config import FAMILIES
 
@@ -24,9 +24,12 @@ _SIZE_FLAGS = {
     "--head-dim": ("head_dim", "dims per attention head"),
     "--intermediate": ("intermediate", "dense MLP width"),
     "--vocab": ("vocab", "vocabulary size (tokenizer and embedding)"),
-    "--experts": ("experts", "qwen3_moe: experts per MoE layer"),
-    "--experts-per-tok": ("experts_per_tok", "qwen3_moe: experts each token is routed to"),
-    "--moe-intermediate": ("moe_intermediate", "qwen3_moe: expert MLP width"),
+    "--experts": ("experts", "qwen3_moe, deepseek_v3: routed experts per MoE layer"),
+    "--experts-per-tok": (
+        "experts_per_tok",
+        "qwen3_moe, deepseek_v3: experts each token is routed to",
+    ),
+    "--moe-intermediate": ("moe_intermediate", "qwen3_moe, deepseek_v3: expert MLP width"),
     "--linear-key-heads": ("linear_key_heads", "qwen3_5: DeltaNet key heads"),
     "--linear-value-heads": ("linear_value_heads", "qwen3_5: DeltaNet value heads"),
     "--linear-key-head-dim": ("linear_key_head_dim", "qwen3_5: DeltaNet key head dims"),
@@ -36,6 +39,20 @@ _SIZE_FLAGS = {
         "full_attention_interval",
         "qwen3_5: every Nth layer is full attention, the others linear",
     ),
+    "--kv-lora-rank": ("kv_lora_rank", "deepseek_v3: latent dims cached per token"),
+    "--qk-nope-head-dim": ("qk_nope_head_dim", "deepseek_v3: query/key dims without RoPE"),
+    "--qk-rope-head-dim": ("qk_rope_head_dim", "deepseek_v3: query/key dims RoPE turns"),
+    "--v-head-dim": ("v_head_dim", "deepseek_v3: value dims per head"),
+    "--n-group": ("n_group", "deepseek_v3: expert groups"),
+    "--topk-group": ("topk_group", "deepseek_v3: groups a token's experts come from"),
+}
+
+# Sizes that may be 0.
+_COUNT_FLAGS = {
+    "--q-lora-rank": ("q_lora_rank", "deepseek_v3: query low rank (0: a plain q_proj)"),
+    "--shared-experts": ("shared_experts", "deepseek_v3: shared experts"),
+    "--first-k-dense": ("first_k_dense", "deepseek_v3: leading layers with a dense MLP"),
+    "--mtp-layers": ("mtp_layers", "deepseek_v3: multi-token-prediction layers"),
 }
 
 
@@ -52,6 +69,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     for flag, (dest, help_) in _SIZE_FLAGS.items():
         p.add_argument(flag, dest=dest, type=positive_int, metavar="N", help=help_)
+    for flag, (dest, help_) in _COUNT_FLAGS.items():
+        p.add_argument(flag, dest=dest, type=count, metavar="N", help=help_)
+    p.add_argument(
+        "--yarn-factor",
+        type=float,
+        metavar="F",
+        help="deepseek_v3: YaRN RoPE scaling by F over an original context of 64",
+    )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="deepseek_v3: store projections as block-scaled FP8 (weight_scale_inv)",
+    )
     p.add_argument(
         "--no-norm-topk-prob",
         dest="norm_topk_prob",
@@ -82,8 +112,10 @@ def run(args: argparse.Namespace) -> int:
     # torch loads with kern.tiny: imported here, so that `kern --help` answers at once.
     from kern.tiny import make_tiny
 
-    sizes = {dest: getattr(args, dest) for dest, _ in _SIZE_FLAGS.values()}
-    for dest in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):
+    sizes = {
+        dest: getattr(args, dest) for dest, _ in (*_SIZE_FLAGS.values(), *_COUNT_FLAGS.values())
+    }
+    for dest in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "yarn_factor"):
         sizes[dest] = getattr(args, dest)
     try:
         out = make_tiny(
@@ -94,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             shards=args.shards,
             overwrite=args.force,
+            fp8=args.fp8,
             **sizes,
         )
     except (ValueError, FileExistsError) as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kern.backend import Ops
 from kern.model_config import ModelConfig
+from kern.models.deepseek_v3 import DeepseekV3
 from kern.models.layers import Caches, DecoderModel, Tensors
 from kern.models.qwen3 import Qwen3
 from kern.models.qwen3_5 import Qwen3_5
@@ -11,7 +12,12 @@ from kern.models.qwen3_moe import Qwen3Moe
 
 __all__ = ["Caches", "DecoderModel", "build_model"]
 
-_FAMILIES = {"qwen3": Qwen3, "qwen3_moe": Qwen3Moe, "qwen3_5": Qwen3_5}
+_FAMILIES = {
+    "qwen3": Qwen3,
+    "qwen3_moe": Qwen3Moe,
+    "qwen3_5": Qwen3_5,
+    "deepseek_v3": DeepseekV3,
+}
 
 
 def build_model(ops: Ops, config: ModelConfig, tensors: Tensors) -> DecoderModel:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kern.checkpoint import expected_shapes, parse_dtype
+from kern.checkpoint import expected_shapes, mtp_shapes, parse_dtype
 from kern.model_config import FAMILIES, ModelConfig, parse_config
 from kern.tiny.tokenizer import build_tokenizer, tokenizer_config
 
@@ -57,7 +57,33 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         decoder_sparse_step=1,
         mlp_only_layers=(),
     ),
+    "deepseek_v3": dict(
+        layers=3,
+        hidden=64,
+        heads=4,
+        intermediate=128,
+        vocab=512,
+        experts=8,
+        experts_per_tok=2,
+        moe_intermediate=32,
+        norm_topk_prob=True,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        n_group=2,
+        topk_group=1,
+        shared_experts=1,
+        first_k_dense=1,
+        mtp_layers=0,
+        yarn_factor=0,
+    ),
 }
+
+# Block of the FP8 weights make_tiny writes with ``fp8=True``: DeepSeek's released
+# 128 x 128 would be one block for most tiny matrices; 16 x 16 tests the block edges.
+FP8_BLOCK = (16, 16)
 
 
 def default_model_path() -> Path:
@@ -93,6 +119,18 @@ def make_tiny(
     linear_value_head_dim: int | None = None,
     conv_kernel: int | None = None,
     full_attention_interval: int | None = None,
+    kv_lora_rank: int | None = None,
+    q_lora_rank: int | None = None,
+    qk_nope_head_dim: int | None = None,
+    qk_rope_head_dim: int | None = None,
+    v_head_dim: int | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    shared_experts: int | None = None,
+    first_k_dense: int | None = None,
+    mtp_layers: int | None = None,
+    yarn_factor: float | None = None,
+    fp8: bool = False,
     tie_embeddings: bool = False,
     dtype: str = "float32",
     shards: int = 1,
@@ -104,6 +142,12 @@ def make_tiny(
     apply to the family (``experts`` for ``qwen3``) must be None. ``dtype`` is the stored
     dtype (``float32``/``bfloat16``/``float16``); ``shards > 1`` writes
     ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+
+    deepseek_v3: ``q_lora_rank=0`` gives a plain q_proj; ``mtp_layers`` writes that many
+    multi-token-prediction layers in DeepSeek's names (``model.layers.<layers + k>.*``);
+    ``yarn_factor`` > 0 sets YaRN RoPE scaling (mscale 1, as released); ``fp8=True`` stores
+    the projections as block-scaled FP8 with ``weight_scale_inv`` (:data:`FP8_BLOCK`), as
+    DeepSeek's release does (embeddings, heads, routers and norms stay float).
 
     Raises ``ValueError`` for an unknown family or an option that does not apply,
     :class:`~kern.model_config.ConfigFieldError` for inconsistent sizes, and ``FileExistsError``
@@ -131,6 +175,17 @@ def make_tiny(
         linear_value_head_dim=linear_value_head_dim,
         conv_kernel=conv_kernel,
         full_attention_interval=full_attention_interval,
+        kv_lora_rank=kv_lora_rank,
+        q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=v_head_dim,
+        n_group=n_group,
+        topk_group=topk_group,
+        shared_experts=shared_experts,
+        first_k_dense=first_k_dense,
+        mtp_layers=mtp_layers,
+        yarn_factor=yarn_factor,
     )
     args = dict(_DEFAULTS[family])
     for key, value in given.items():
@@ -141,6 +196,9 @@ def make_tiny(
         args[key] = value
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
+    if fp8 and family != "deepseek_v3":
+        raise ValueError(f"option 'fp8' does not apply to family {family!r}")
+    args["fp8"] = fp8
     storage_dtype = parse_dtype(dtype)
 
     tokenizer, special_ids = build_tokenizer(args["vocab"])
@@ -152,6 +210,8 @@ def make_tiny(
         raise FileExistsError(f"{out}: not empty (pass overwrite=True / --force to replace)")
     out.mkdir(parents=True, exist_ok=True)
     tensors = _weights(config, seed, storage_dtype)
+    if fp8:
+        tensors = quantize_fp8(tensors, FP8_BLOCK)
     _write_weights(out, tensors, shards)
     _write_json(out / "config.json", config_json)
     _write_json(
@@ -177,7 +237,7 @@ def _config_json(
         "bos_token_id": special["<|endoftext|>"],
         "dtype": dtype,
         "eos_token_id": special["<|im_end|>"],
-        "head_dim": a["head_dim"],
+        "head_dim": a.get("head_dim"),
         "hidden_act": "silu",
         "hidden_size": a["hidden"],
         "initializer_range": 0.02,
@@ -185,7 +245,7 @@ def _config_json(
         "max_position_embeddings": 8192,
         "num_attention_heads": a["heads"],
         "num_hidden_layers": n,
-        "num_key_value_heads": a["kv_heads"],
+        "num_key_value_heads": a.get("kv_heads"),
         "pad_token_id": special["<|endoftext|>"],
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": tie,
@@ -218,6 +278,49 @@ def _config_json(
             sliding_window=None,
             use_sliding_window=False,
         )
+    elif family == "deepseek_v3":
+        del cfg["head_dim"]  # transformers derives it (the rope dims)
+        cfg.update(
+            num_key_value_heads=a["heads"],  # unused by MLA, but transformers divides by it
+            architectures=["DeepseekV3ForCausalLM"],
+            model_type="deepseek_v3",
+            first_k_dense_replace=a["first_k_dense"],
+            kv_lora_rank=a["kv_lora_rank"],
+            max_position_embeddings=4096,
+            moe_intermediate_size=a["moe_intermediate"],
+            n_group=a["n_group"],
+            n_routed_experts=a["experts"],
+            n_shared_experts=a["shared_experts"],
+            norm_topk_prob=a["norm_topk_prob"],
+            num_experts_per_tok=a["experts_per_tok"],
+            num_nextn_predict_layers=a["mtp_layers"],
+            q_lora_rank=a["q_lora_rank"] or None,
+            qk_nope_head_dim=a["qk_nope_head_dim"],
+            qk_rope_head_dim=a["qk_rope_head_dim"],
+            rope_interleave=True,
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+            routed_scaling_factor=2.5,
+            topk_group=a["topk_group"],
+            v_head_dim=a["v_head_dim"],
+        )
+        if a["yarn_factor"]:
+            cfg["rope_parameters"] = {
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "factor": float(a["yarn_factor"]),
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 10000.0,
+                "rope_type": "yarn",
+            }
+        if a["fp8"]:
+            cfg["quantization_config"] = {
+                "activation_scheme": "dynamic",
+                "fmt": "e4m3",
+                "quant_method": "fp8",
+                "weight_block_size": list(FP8_BLOCK),
+            }
     else:
         interval = a["full_attention_interval"]
         cfg.update(
@@ -245,7 +348,10 @@ def _config_json(
 def _weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     zero_centered = config.model_type == "qwen3_5"
     tensors = {}
-    for name, shape in expected_shapes(config).items():
+    shapes = expected_shapes(config)
+    if config.num_mtp_layers:
+        shapes.update(mtp_shapes(config)[0])
+    for name, shape in shapes.items():
         digest = hashlib.sha256(f"{seed}\0{name}".encode()).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
@@ -261,7 +367,7 @@ def _weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, to
             t = 1.0 + 0.1 * noise
         elif name.endswith("conv1d.weight"):
             t = noise / math.sqrt(shape[-1])
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", "e_score_correction_bias")):
             t = 0.02 * noise
         elif name == "model.embed_tokens.weight":
             # Tied, the embedding is also the output head, and the residual stream carries the
@@ -272,7 +378,38 @@ def _weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, to
         else:  # projections, the router, lm_head: [out, in]
             t = noise / math.sqrt(shape[-1])
         tensors[name] = t.to(dtype).contiguous()
+    for name in list(tensors):
+        # An MTP layer's own embedding and head are copies of the model's (as released).
+        if name.endswith(".embed_tokens.weight") and name != "model.embed_tokens.weight":
+            tensors[name] = tensors["model.embed_tokens.weight"].clone()
+        elif name.endswith(".shared_head.head.weight"):
+            head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+            tensors[name] = tensors[head].clone()
     return tensors
+
+
+def quantize_fp8(
+    tensors: dict[str, torch.Tensor], block: tuple[int, int]
+) -> dict[str, torch.Tensor]:
+    """DeepSeek's FP8 release format: every projection weight (2-d, not an embedding, head or
+    router) as float8_e4m3fn plus ``<name>_scale_inv``, one float32 scale (block amax / 448)
+    per ``block``; other tensors unchanged."""
+    out = {}
+    for name, t in tensors.items():
+        if t.dim() != 2 or name.endswith(("embed_tokens.weight", "head.weight", "gate.weight")):
+            out[name] = t
+            continue
+        rows, cols = t.shape
+        b0, b1 = block
+        nr, nc = -(-rows // b0), -(-cols // b1)
+        padded = torch.zeros(nr * b0, nc * b1)
+        padded[:rows, :cols] = t.float()
+        blocks = padded.view(nr, b0, nc, b1)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        q = (blocks / scale[:, None, :, None]).view(nr * b0, nc * b1)[:rows, :cols]
+        out[name] = q.to(torch.float8_e4m3fn).contiguous()
+        out[name + "_scale_inv"] = scale.contiguous()
+    return out
 
 
 def _write_weights(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:

@@ -20,6 +20,11 @@ Design notes
   plus zeros), and each rank then adds a token's slots in slot order, as one rank does. The
   expert layers of ``ep`` therefore give the bits a single rank gives; only attention and
   dense layers change the order of additions.
+* ``ep`` for ``deepseek_v3``: latent attention, the dense MLPs and the shared experts are
+  replicated, whole, on every rank (each rank computes them on every token and caches the
+  same latents: the latent is one vector a token, so splitting heads would save no cache),
+  and only the routed experts are split as above. No partial sum is left anywhere but in
+  the experts' disjoint slots, so every layer gives exactly the bits one rank gives.
 * Partial sums are joined by an all-gather and a sum in rank order, ``((p0 + p1) + p2) + ...``,
   not by an all-reduce: an all-reduce's order of additions is the library's choice and may
   depend on the message size (so on the batch) beyond 2 ranks; a fixed order keeps a row's
@@ -61,7 +66,10 @@ __all__ = [
 ]
 
 # What each parallel mode splits, and the families it is implemented for.
-PARALLEL = {"tp": ("qwen3", "qwen3_moe", "qwen3_5"), "ep": ("qwen3_moe",)}
+PARALLEL = {"tp": ("qwen3", "qwen3_moe", "qwen3_5"), "ep": ("qwen3_moe", "deepseek_v3")}
+
+# Families whose ep shards split only the routed experts (everything else replicated).
+_EXPERTS_ONLY = ("deepseek_v3",)
 
 
 class ShardError(ValueError):
@@ -87,6 +95,10 @@ class Shard:
                 f"parallel = {self.parallel!r} is implemented for {', '.join(families)}, "
                 f"not {c.model_type}"
             )
+        if c.model_type in _EXPERTS_ONLY:
+            if c.num_experts % n:
+                raise ShardError(f"ranks = {n} does not divide the model's n_routed_experts")
+            return
         sizes = {
             "num_attention_heads": c.num_attention_heads,
             "num_key_value_heads": c.num_key_value_heads,
@@ -107,6 +119,8 @@ class Shard:
     def config(self, c: ModelConfig) -> ModelConfig:
         """This rank's view of the model: heads and MLP widths divided by the rank count."""
         n = self.num_ranks
+        if c.model_type in _EXPERTS_ONLY:
+            return c
         changes: dict[str, Any] = {
             "num_attention_heads": c.num_attention_heads // n,
             "num_key_value_heads": c.num_key_value_heads // n,
@@ -136,6 +150,8 @@ class Shard:
                 raise KeyError(name)
             if self.parallel == "ep":
                 return None
+        if c.model_type in _EXPERTS_ONLY:
+            return None
         leaf = ".".join(parts[-2:])
         if leaf in _ROWS or leaf in _LINEAR_ROWS:
             # Rows: whole heads (a q row block of a head is contiguous, its gate included),
@@ -218,7 +234,8 @@ def load_shard(
         pick=parts.__getitem__,
     )
     if shard.rank != 0:
-        for name in [k for k in tensors if k.endswith("o_proj.bias")]:
+        split = full.model_type not in _EXPERTS_ONLY  # else every rank adds its own whole bias
+        for name in [k for k in tensors if split and k.endswith("o_proj.bias")]:
             tensors[name] = torch.zeros_like(tensors[name])
         if not full.tie_word_embeddings:
             # Only rank 0 computes logits (Headless): the head the model is built with here
@@ -282,7 +299,9 @@ class _ExpertParallel:
     def __call__(self, x: Tensor) -> Tensor:
         weights, experts = self.moe.route(x)
         y = self.comm.sum_disjoint(self.moe.expert_outputs(x, experts))
-        return self.moe.combine(y, weights)
+        out = self.moe.combine(y, weights)
+        shared = getattr(self.moe, "shared", None)  # deepseek_v3's, replicated on every rank
+        return out if shared is None else out + shared(x)
 
 
 class Headless:
@@ -301,10 +320,12 @@ class Headless:
 def shard_model(model: Any, shard: Shard, comm: Comm) -> Any:
     """Join ``model``'s layers (built from a rank's shard) across the ranks, in place; on
     ranks other than 0 return it :class:`Headless`."""
+    replicated = model.config.model_type in _EXPERTS_ONLY
     for layer in model.layers:
-        layer.mixer = _Joined(layer.mixer, comm)
+        if not replicated:
+            layer.mixer = _Joined(layer.mixer, comm)
         if isinstance(layer.mlp, SparseMoE) and shard.parallel == "ep":
             layer.mlp = _ExpertParallel(layer.mlp, comm)
-        else:
+        elif not replicated:
             layer.mlp = _Joined(layer.mlp, comm)
     return model if shard.rank == 0 else Headless(model)
