@@ -240,3 +240,28 @@ def test_mla_benchmark_runs_and_its_paths_agree(capsys):
     assert main(["--context", "40", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "| DeepSeek-V3 | 70,272 | 70,272 | 4,997,120 | 71.1x |" in out
+
+
+def test_make_tiny_flags(tmp_path, capsys):
+    """``kern make-tiny deepseek_v3`` maps its flags to make_tiny's keywords, and refuses the
+    family's flags on another family."""
+    from kern import cli
+
+    args = ["--q-lora-rank", "0", "--mtp-layers", "1", "--fp8", "--yarn-factor", "2", "--seed", "2"]
+    assert cli.main(["make-tiny", "deepseek_v3", str(tmp_path / "a"), *args]) == 0
+    make_tiny(
+        "deepseek_v3",
+        tmp_path / "b",
+        q_lora_rank=0,
+        mtp_layers=1,
+        fp8=True,
+        yarn_factor=2.0,
+        seed=2,
+    )
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    capsys.readouterr()
+    for family, flag in (("qwen3", "--fp8"), ("qwen3_moe", "--mtp-layers")):
+        extra = [flag] if flag == "--fp8" else [flag, "1"]
+        assert cli.main(["make-tiny", family, str(tmp_path / family), *extra]) == 2
+        assert "does not apply to family" in capsys.readouterr().err
