@@ -94,3 +94,65 @@ def test_a_stateful_server_stays_within_its_budgets(tmp_path):
     # Against the same server on a 1 MiB pool: the budgets add at most themselves (before,
     # a stateful target took twice its pool and twice its host tier).
     assert peaks["big"] - peaks["small"] <= budgets + 32 * MIB
+
+
+class _NoBytes:
+    """A runner that moves no bytes: the cache's books alone."""
+
+    stateful = False
+
+    def park(self, plans) -> None:
+        pass
+
+    def wake(self, plan) -> None:
+        pass
+
+    def copy_pages(self, src, dst) -> None:
+        pass
+
+    def copy_slots(self, src, dst) -> None:
+        pass
+
+
+def test_a_repeat_wakes_its_whole_parked_entry():
+    """A repeated prompt whose cached entry (prompt and answer, 3 pages) was parked must be
+    woken, evicting what the wake needs: room sized by the hit (1 page, with 2 free) evicted
+    nothing, the wake was refused and the prompt recomputed (found by the e2e gate's warm
+    scenario on a 56-page pool)."""
+    from kern.arith import cdiv
+    from kern.engine.memory import Memory
+    from kern.engine.request import Request
+    from kern.metrics import Metrics
+    from kern.pool import Cache
+
+    page_tokens, page_bytes = 16, 4096
+    cache = Cache(
+        page_tokens=page_tokens,
+        page_bytes=page_bytes,
+        device_bytes=5 * page_bytes,
+        host_bytes=64 * page_bytes,
+    )
+    metrics = Metrics()
+    memory = Memory(cache, _NoBytes(), metrics, running=[])
+
+    def serve(prompt: list[int], answer: list[int]) -> int:
+        req = Request(list(prompt), len(answer))
+        req.tokens = list(prompt)
+        assert memory.admit(req)
+        cached = req.cached_tokens
+        req.tokens += answer
+        req.num_computed = len(req.tokens)
+        req.block_table += memory.take_pages(
+            cdiv(len(req.tokens), page_tokens) - len(req.block_table)
+        )
+        memory.release(req, snapshot=False)
+        return cached
+
+    a = [1, 2, 3, 4, 5]
+    serve(a, list(range(1000, 1035)))  # 40 tokens: 3 pages
+    serve(list(range(100, 120)), list(range(2000, 2012)))  # 2 pages
+    serve(list(range(200, 210)), list(range(3000, 3006)))  # 1 page: parks a's entry
+    assert metrics.value("kern_parked_total") == 1 and cache.pages_free == 2
+    assert serve(a, list(range(1000, 1035))) == len(a) - 1  # woken, not recomputed
+    assert metrics.value("kern_dropped_resident_total") == 0
+    assert metrics.value("kern_dropped_parked_total") == 0

@@ -122,8 +122,7 @@ class Memory:
         assert node is not None
         cap = len(req.tokens) - 1
         if m.resident_len < hit or (self.stateful and m.state_slot is None):
-            parked = cdiv(m.hit_len, self.page_tokens) - m.resident_len // self.page_tokens
-            if self.wake(node, parked):
+            if self.wake(node):
                 m = self.match(req.tokens)  # the woken pages, under a lock of their own
                 self.unlock(node)
                 node = m.node
@@ -253,17 +252,27 @@ class Memory:
     def free_slot(self, slot: int) -> None:
         self.cache.free_slot(slot)
 
-    def wake(self, node: int, num_pages: int) -> bool:
-        """Bring the parked part of ``node``'s path back (locked by the caller); it spans
-        about ``num_pages`` pages. False when the room cannot be had."""
-        try:
-            woken = self.cache.wake(node)
-        except PoolFull:
-            self.make_room(num_pages, slots=1 if self.stateful else 0)
+    def wake(self, node: int) -> bool:
+        """Bring the parked part of ``node``'s path back (locked by the caller). False when
+        the room cannot be had.
+
+        A wake brings every parked entry on the path back whole, however little of it the
+        hit reads (a repeated prompt's parked leaf holds its answer too), and a match does not
+        say how many pages that is: so evict one entry at a time, in the make-room loop's own
+        order, until the wake fits. Sizing the room by the hit instead evicted nothing, the
+        wake was refused and the parked prefix recomputed."""
+        slots = 1 if self.stateful else 0
+        while True:
             try:
                 woken = self.cache.wake(node)
+                break
             except PoolFull:
-                return False
+                # pages_free counts free chunks too: one page more than that cannot fit
+                # without an eviction, so each round evicts an entry or ends.
+                room = self.cache.make_room(self.cache.pages_free + 1, slots=slots)
+                self.land(room)
+                if not room.evicted:
+                    return False
         if woken.keys:
             self.metrics.woken.inc(len(woken.keys))
         self.runner.wake(woken.plan)
