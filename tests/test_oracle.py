@@ -54,7 +54,9 @@ CASES = {
     # groups of 4 experts of which the best 2 count, 3 experts a token
     "deepseek_v3-no-q-lora-yarn": (
         "deepseek_v3",
-        dict(q_lora_rank=0, yarn_factor=4.0, experts=16, n_group=4, topk_group=2, experts_per_tok=3),
+        dict(
+            q_lora_rank=0, yarn_factor=4.0, experts=16, n_group=4, topk_group=2, experts_per_tok=3
+        ),
         {},
     ),
     "qwen3_5-d64-tied-k2v2": (

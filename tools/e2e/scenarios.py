@@ -271,6 +271,11 @@ class TargetGate:
             res.fail(f"next turn again: {retry.cached_tokens} cached, want at least {want}")
 
     @property
+    def parks(self) -> bool:
+        """Whether the target has a host tier (evicted entries park there, not dropped)."""
+        return self.target.host_bytes > 0
+
+    @property
     def stateful(self) -> bool:
         return self.start.get("kern_pool_slots_total", 0) > 0
 
@@ -281,8 +286,15 @@ class TargetGate:
             ok = self.check(res, f"prompt {i}", got, self.refs[i])
             if ok and i not in self.excused_cold:
                 self.same(res, f"prompt {i} warm vs cold", got, self.cold[i])
+            # Everything the cold answer cached is resident or parked (a host tier parks
+            # instead of dropping), so the repeat hits all but its last prompt token.
             if not got.cached_tokens:
                 res.fail(f"prompt {i}: no prefix hit on a repeat")
+            elif self.parks and got.cached_tokens != got.prompt_tokens - 1:
+                res.fail(
+                    f"prompt {i}: {got.cached_tokens} of {got.prompt_tokens} cached, not all "
+                    "but the last prompt token, with a host tier to park in"
+                )
 
     def twelve_at_once(self, res: Result) -> None:
         stop = threading.Event()
