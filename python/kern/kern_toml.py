@@ -9,7 +9,7 @@ pool_bytes = "1GiB"                # device budget for KV pages and states
 host_bytes = "4GiB"                # host tier for parked cache entries; 0 = none
 page_tokens = 16
 rows = [1, 4]                      # decode row shapes; kern run and serve use the widest
-draft = "ngram"                    # the drafter at rows > 1 (the default); or a checkpoint
+draft = "ngram"                    # drafter at rows > 1 (default); "mtp"; or a checkpoint
 ranks = 1                          # processes (tensor / expert parallel), see docs/serve.md
 parallel = "tp"                    # with ranks > 1: "tp" (heads and MLP columns) or "ep" (experts)
 threads = 2                        # torch intra-op threads (CPU results depend on it)
@@ -19,7 +19,8 @@ reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_co
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
 misspelt ``page_token = 32`` silently ignored would serve with 16 and nobody would know. This
 module parses; whether a command can run what a target asks (a draft checkpoint of the same
-tokenizer whose KV fits the target's pages, kern.engine.draft; ``ranks`` and ``parallel`` split
+tokenizer whose KV fits the target's pages, kern.engine.draft; ``draft = "mtp"`` on a deepseek_v3
+checkpoint with a multi-token-prediction layer, kern.engine.mtp; ``ranks`` and ``parallel`` split
 only what kern implements) is
 :func:`kern.engine.targets.check_target`'s call. A step at rows R verifies the last token and R - 1
 drafts, so ``rows`` also says how many tokens to draft; ``draft`` without a row shape above 1
@@ -36,6 +37,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_THREADS",
+    "DRAFTERS",
     "KernConfig",
     "Target",
     "TomlConfigError",
@@ -78,6 +80,9 @@ _TARGET_KEYS = (
     "threads",
     "reasoning_parser",
 )
+# draft values that name no checkpoint: n-gram lookup, the target's own MTP layer (a folder
+# of either name is written "./mtp").
+DRAFTERS = ("ngram", "mtp")
 # parallel values (kern.engine.ranks.shard.PARALLEL; kept here so parsing imports nothing).
 PARALLEL_MODES = ("tp", "ep")
 # reasoning_parser values (kern.server.splitter.REASONING_PARSERS; kept here so parsing imports
@@ -105,8 +110,9 @@ class Target:
     # Row shapes a decode step may verify (1 = plain decoding), ascending. A step at rows R
     # verifies the sequence's last token and R - 1 drafted tokens.
     rows: tuple[int, ...] = (1,)
-    # "ngram" for n-gram lookup in the context, or a draft checkpoint folder, or None (at
-    # rows > 1: n-gram lookup, the drafter that needs no model).
+    # "ngram" for n-gram lookup in the context, "mtp" for the checkpoint's own
+    # multi-token-prediction layer (deepseek_v3, kern.engine.mtp), a draft checkpoint folder,
+    # or None (at rows > 1: n-gram lookup, the drafter that needs no model).
     draft: str | None = None
     ranks: int = 1
     # How ranks split the model (kern.engine.ranks.shard): "tp" or "ep".
@@ -126,8 +132,8 @@ class Target:
 
     @property
     def draft_checkpoint(self) -> Path | None:
-        """The draft checkpoint folder, or None (n-gram drafts or none)."""
-        if self.draft is None or self.draft == "ngram":
+        """The draft checkpoint folder, or None (n-gram or MTP drafts, or none)."""
+        if self.draft is None or self.draft in DRAFTERS:
             return None
         return Path(self.draft)
 
@@ -199,13 +205,13 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         raise TomlConfigError(f"{where}.rows: expected a positive integer or a list of them")
     draft = table.get("draft")
     if draft is not None and not isinstance(draft, str):
-        raise TomlConfigError(f"{where}.draft: expected 'ngram' or a checkpoint path")
+        raise TomlConfigError(f"{where}.draft: expected 'ngram', 'mtp' or a checkpoint path")
     if draft is not None and max(rows_list) == 1:
         raise TomlConfigError(
             f"{where}.draft: draft = {draft!r} drafts nothing at rows {rows_list} (a step at "
             "rows R verifies R - 1 drafts): declare a row shape above 1, e.g. rows = [1, 4]"
         )
-    if draft is not None and draft != "ngram":
+    if draft is not None and draft not in DRAFTERS:
         draft = str((path.parent / draft).resolve())
     pool = table.get("pool_bytes")
     parallel = _str(table, "parallel", where, "tp")

@@ -239,6 +239,7 @@ def _generate(
         threads=target.threads,
         device=target.device,
         draft=draft,
+        mtp=target.draft == "mtp",
     )
     if ranks is not None:
         ranks.close()

@@ -72,7 +72,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    selection = select_target(args)
+    # A --model target declares no rows; its rows check runs at 2, with --draft's drafter.
+    selection = select_target(args, 2 if args.draft is not None and args.config is None else None)
     target = selection.target
     if target.ranks > 1:
         raise UsageError(
@@ -114,7 +115,8 @@ def _checks(target: Target, ckpt: Checkpoint, draft: Checkpoint | None, steps: i
         checks.append(_decode_vs_prefill(kind, ckpt, prompt, base, atol, opts, generate))
         # Speculative rows must give the rows-1 answer; a target without any still gets 2.
         for rows in [r for r in target.rows if r > 1] or [2]:
-            wide = generate(ckpt, prompt, steps, rows=rows, draft=draft, **opts)
+            mtp = target.draft == "mtp"
+            wide = generate(ckpt, prompt, steps, rows=rows, draft=draft, mtp=mtp, **opts)
             same = wide.ids == base.ids
             checks.append(
                 _Check(

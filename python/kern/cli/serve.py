@@ -122,12 +122,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="split chat answers' <think>...</think> into reasoning_content (default: off)",
     )
     keys.add_argument(
+        "--draft",
+        metavar="DRAFT",
+        help="the drafter at rows > 1: ngram, mtp (a deepseek_v3 checkpoint's own MTP layer) "
+        "or a draft checkpoint folder (default: ngram)",
+    )
+    keys.add_argument(
         "--rows",
         type=argtypes.positive_int,
         metavar="R",
         help="positions a decode step verifies per sequence: the last token and R - 1 drafts "
-        "(n-gram, or the target's draft checkpoint); one of the target's declared rows "
-        "(default: its widest; 1: plain decoding)",
+        "(n-gram, the target's draft checkpoint or its MTP layer); one of the target's "
+        "declared rows (default: its widest; 1: plain decoding)",
     )
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -283,6 +289,11 @@ def _rows(target: Target) -> str:
     rows = target.decode_rows
     if rows == 1:
         return "rows 1"
+    if target.draft == "mtp":
+        return (
+            f"rows {rows} (the last token and {rows - 1} drafts of the checkpoint's MTP layer, "
+            "its pages from the same pool)"
+        )
     if target.draft_checkpoint is None:
         return f"rows {rows} (the last token and {rows - 1} n-gram drafts)"
     return (

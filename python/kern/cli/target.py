@@ -23,7 +23,8 @@ __all__ = ["add_target_args", "load", "load_draft", "select_target"]
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
-    """--model or --config/--target, and the keys both commands override: --threads, --ranks."""
+    """--model or --config/--target, and the keys both commands override: --threads, --ranks,
+    --draft."""
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, metavar="DIR", help="a checkpoint folder")
     source.add_argument("--config", type=Path, metavar="FILE", help="a kern.toml (with --target)")
@@ -40,6 +41,12 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="processes that split the model (default: the target's, else 1; see docs/serve.md)",
     )
+    p.add_argument(
+        "--draft",
+        metavar="DRAFT",
+        help="the drafter at rows > 1: ngram, mtp (a deepseek_v3 checkpoint's own MTP layer) "
+        "or a draft checkpoint folder (default: the target's, else ngram)",
+    )
 
 
 def select_target(args: argparse.Namespace, rows: int | None = None) -> Selection:
@@ -49,21 +56,23 @@ def select_target(args: argparse.Namespace, rows: int | None = None) -> Selectio
         config=args.config,
         target=args.target,
         model=args.model,
-        overrides={"threads": args.threads, "ranks": args.ranks},
+        overrides={"threads": args.threads, "ranks": args.ranks, "draft": args.draft},
         rows=rows,
         serving=False,
     )
 
 
 def load(target: Target) -> Checkpoint:
-    """The target's checkpoint, with torch's thread count pinned to the target's first."""
+    """The target's checkpoint, with torch's thread count pinned to the target's first; with
+    its multi-token-prediction layer when it drafts with it (``draft = "mtp"``)."""
     import torch
 
     from kern.checkpoint import load_checkpoint
 
     # Pin before loading: loading casts with torch ops too, and nothing after may differ.
     torch.set_num_threads(target.threads)
-    return load_checkpoint(target.checkpoint, device=target.device, dtype=target.dtype)
+    mtp = target.draft == "mtp" and target.decode_rows > 1
+    return load_checkpoint(target.checkpoint, device=target.device, dtype=target.dtype, mtp=mtp)
 
 
 def load_draft(target: Target) -> Checkpoint | None:

@@ -108,12 +108,20 @@ def _tokenizer(folder: Path) -> dict[str, object]:
 
 
 def draft_layout(
-    config: ModelConfig, dtype: torch.dtype, pool_page_bytes: int, page_tokens: int, where: str
+    config: ModelConfig,
+    dtype: torch.dtype,
+    pool_page_bytes: int,
+    page_tokens: int,
+    where: str,
+    *,
+    any_stride: bool = False,
 ) -> Layout:
     """The draft's layout inside pool pages of ``pool_page_bytes`` (the target's pages of
     ``page_tokens`` tokens): ``page_tokens * m`` tokens a page, ``m`` the largest power of two
     that fits (see the design notes). Raises :class:`UsageError` when not even ``m = 1``
-    fits, or when the CPU attention could not address a draft page inside a pool page."""
+    fits, or when the CPU attention could not address a draft page inside a pool page.
+    ``any_stride``: latent pages on a backend that reads them at any stride (CUDA's): only
+    the bytes must fit."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     m, best = 1, None
     while True:
@@ -121,10 +129,14 @@ def draft_layout(
         if layout.page_bytes > pool_page_bytes:
             break
         # The CPU attention indexes K rows of page_tokens values and V chunks of
-        # page_tokens * head_dim values from the arena's start: the pool page must be a
-        # whole number of both.
+        # page_tokens * head_dim values from the arena's start (latent pages: rows of
+        # page_tokens * C values): the pool page must be a whole number of them.
         stride = pool_page_bytes // itemsize
-        if pool_page_bytes % itemsize == 0 and stride % (layout.page_tokens * config.head_dim) == 0:
+        if layout.page_class == "latent":
+            unit = 1 if any_stride else layout.page_tokens * layout.page_shape[-1]
+        else:
+            unit = layout.page_tokens * config.head_dim
+        if pool_page_bytes % itemsize == 0 and stride % unit == 0:
             best = layout
         m *= 2
     if best is None:

@@ -5,10 +5,11 @@ Design notes
 ------------
 * One sequence in a Runner of its own: the prompt is prefilled in one chunk, then each step
   is one decode chunk (``rows == 1``) or one verify chunk of ``1 + drafts`` rows
-  (``rows > 1``), drafts from n-gram lookup in the context (:class:`NgramDrafter`), or from a
+  (``rows > 1``), drafts from n-gram lookup in the context (:class:`NgramDrafter`), from a
   draft checkpoint (``draft``, :func:`kern.engine.spec.draft_greedy`, the server's batched
   drafting, here on pages and slots of its own: the server takes them from its pool, which
-  changes no token).
+  changes no token), or from the checkpoint's own MTP layer (``mtp``,
+  ``kern.engine.mtp.MtpSequence``: the server's catch-up after each forward, here too).
 * Verification keeps identity with ``rows == 1``: row j of a verify chunk yields the token
   plain decoding would pick at that position (same context, the sampler's draw index is the
   token's index), and drafts are accepted while they equal those tokens
@@ -69,6 +70,7 @@ def generate(
     reference: bool = False,
     runner: Runner | None = None,
     draft: Checkpoint | None = None,
+    mtp: bool = False,
 ) -> GenerateResult:
     """Generate ``steps`` tokens after ``prompt_ids`` (greedy unless ``sampling`` says
     otherwise), verifying up to ``rows - 1`` drafted tokens per step, on ``device`` (the
@@ -76,7 +78,9 @@ def generate(
     (``reference=True``, CPU float32, see ``kern.backend.ReferenceOps``), or on ``runner`` when
     given (one whose pages are the sequence's own, e.g. ``kern.engine.ranks``' ranked runner).
     ``draft``: a draft checkpoint (checked by the caller, kern.engine.draft) drafts instead of
-    n-gram lookup, greedy, on the same backend.
+    n-gram lookup, greedy, on the same backend. ``mtp``: the checkpoint's own
+    multi-token-prediction layer drafts (deepseek_v3, loaded with ``mtp=True``; checked by the
+    caller, kern.engine.mtp), greedy.
 
     Raises ``ValueError`` for an empty prompt, ``steps < 0`` or ``rows < 1``.
     """
@@ -119,8 +123,15 @@ def generate(
                 probes[first + j] = (values.float().cpu(), ids.cpu())
         return toks
 
+    mtp_seq = None
+    if mtp and rows > 1:
+        from kern.engine.mtp import MtpSequence
+
+        mtp_seq = MtpSequence(runner, checkpoint, total)
     logits = runner.forward([SeqChunk(prompt_ids, 0, table, slot=0, logits="last")])
     out.extend(pick(logits, 0))
+    if mtp_seq is not None and len(out) < steps - 1:  # the next step drafts
+        mtp_seq.stepped(prompt_ids + out, 0, len(prompt_ids))
     drafter = NgramDrafter(prompt_ids)
     drafter.extend(out)
     # A draft checkpoint's runner over pages (and, stateful, slots 0 working, 1 saved) of its
@@ -141,7 +152,9 @@ def generate(
     pos = len(prompt_ids)  # tokens in the KV; out[-1] is not yet
     while len(out) < steps:
         num = min(rows - 1, steps - len(out) - 1)
-        if model is None:
+        if mtp_seq is not None:
+            drafts = mtp_seq.drafts(num)
+        elif model is None:
             drafts = drafter.draft(num)
         elif num > 0:
             context = prompt_ids + out
@@ -168,4 +181,6 @@ def generate(
         out.extend(new)
         drafter.extend(new)
         pos += accepted
+        if mtp_seq is not None and len(out) < steps - 1:
+            mtp_seq.stepped(prompt_ids + out, pos - accepted, pos)
     return GenerateResult(out[:steps], probes, num_drafted, num_accepted)

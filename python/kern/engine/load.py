@@ -18,6 +18,10 @@ Design notes
   runner views the target runner's arena (``Runner.draft_runner``): no budget of its own, its
   pages (and, for a stateful draft, its slots: the pool's slots are sized for the larger
   state) are the pool's, taken per request by the scheduler.
+* ``draft = "mtp"`` (kern.engine.mtp): the target's checkpoint is loaded with its
+  multi-token-prediction layer, checked first (``check_mtp_target``), and the MTP's runner
+  views the target runner's arena as a draft's does (one latent layer a page, pool pages
+  taken per request); its scheduler has the runner keep its hidden states.
 * The cache's books are built before the weights are read when the budgets are known (a
   budget too small for one page is then an error at once, naming its key or flag); the CUDA
   default budget depends on the memory free after loading, so that one waits for the weights.
@@ -41,6 +45,7 @@ from kern.checkpoint import Checkpoint, load_checkpoint
 from kern.engine.arena import Placement
 from kern.engine.draft import check_draft_target, draft_layout
 from kern.engine.layout import Layout
+from kern.engine.mtp import MtpDrafts, MtpRunner, check_mtp_target, mtp_layout
 from kern.engine.ranks.launch import Ranks, rank_device
 from kern.engine.ranks.runner import RankedRunner
 from kern.engine.ranks.shard import Shard
@@ -77,6 +82,8 @@ class Engine:
     runner: Runner | RankedRunner
     # The draft checkpoint's runner over the same pool pages, when the target names one.
     draft: Runner | None = None
+    # The checkpoint's MTP layer over the same pool pages, with draft = "mtp".
+    mtp: MtpRunner | None = None
 
     @classmethod
     def load(cls, target: Target, *, ops: Ops | None = None) -> Engine:
@@ -89,6 +96,8 @@ class Engine:
             # As kern.engine.targets.check_target checks before load: the tests and the benchmarks
             # build engines without it.
             check_draft_target(target, load_config(target.checkpoint))
+        if target.draft == "mtp":
+            check_mtp_target(target, load_config(target.checkpoint))
         if target.ranks > 1:
             if ops is not None:
                 raise ValueError("a ranked target builds its backend on every rank; pass no ops")
@@ -112,6 +121,16 @@ class Engine:
                 target.page_tokens,
                 target.where("draft"),
             )
+        mtp_lay = None
+        if target.draft == "mtp":
+            mtp_lay = mtp_layout(
+                config,
+                ops.dtype,
+                layout.page_bytes,
+                target.page_tokens,
+                target.where("draft"),
+                any_stride=not ops.is_cpu,
+            )
         # A stateful draft's slots come from the same pool: slots fit either model's state.
         state_bytes = max(layout.state_bytes, 0 if draft_lay is None else draft_lay.state_bytes)
         cache = None
@@ -119,7 +138,9 @@ class Engine:
             cache = _cache(target, layout, target.pool_bytes, state_bytes)
         ranks = Ranks.start(target) if target.ranks > 1 else None
         if ranks is None:
-            ckpt = load_checkpoint(target.checkpoint, device=ops.device, dtype=ops.dtype)
+            ckpt = load_checkpoint(
+                target.checkpoint, device=ops.device, dtype=ops.dtype, mtp=mtp_lay is not None
+            )
         else:
             ckpt = ranks.load()
         if cache is None:
@@ -138,7 +159,11 @@ class Engine:
                 target.draft_checkpoint, device=ops.device, dtype=ops.dtype
             )
             draft = runner.draft_runner(draft_ckpt, draft_lay)
-        return cls(target, ckpt, layout, cache, runner, draft)
+        mtp = None
+        if mtp_lay is not None:
+            assert isinstance(runner, Runner)
+            mtp = MtpRunner.over_pool(runner, ckpt, mtp_lay)
+        return cls(target, ckpt, layout, cache, runner, draft, mtp)
 
     def scheduler(
         self,
@@ -152,14 +177,20 @@ class Engine:
     ) -> Scheduler:
         """A scheduler over this engine's runner and cache (``limits``: ``max_step_tokens``,
         ``max_running``); ``rows`` (default: the target's ``decode_rows``) above 1 verifies
-        drafts from the draft checkpoint when the target names one, else n-gram drafts.
+        drafts from the draft checkpoint when the target names one, from its MTP layer with
+        ``draft = "mtp"``, else n-gram drafts.
         ``max_model_len`` (default: the model's ``max_position_embeddings``) bounds a
         request's prompt and answer together."""
         rows = self.target.decode_rows if rows is None else rows
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
         drafter: Drafter | None = None
-        if rows > 1:
+        if isinstance(self.runner, Runner):
+            self.runner.keep_hidden = False  # on again for an MTP drafter only
+        if rows > 1 and self.mtp is not None:
+            assert isinstance(self.runner, Runner)
+            drafter = MtpDrafts(rows, self.mtp, self.runner)
+        elif rows > 1:
             drafter = (
                 NgramDrafts(rows) if self.draft is None else ModelDrafts(rows, Sampler(self.draft))
             )

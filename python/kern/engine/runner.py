@@ -31,6 +31,10 @@ Design notes
   with a layout of its own: its pages are the first bytes of pool pages (``Placement.page_stride``
   is the pool's page size), so the draft's KV comes from the same pool and budget, and this
   runner still owns the one tensor both read.
+* ``keep_hidden`` (off unless an MTP drafter runs, kern.engine.mtp): ``forward`` also keeps
+  every row's last hidden state after the final norm in ``hidden`` (transformers'
+  ``hidden_states[-1]``), until the next forward. The norm runs apart from the logits' own, so
+  the logits are the same bits with it on or off; off, it costs nothing.
 * Park and wake plans land as one batched copy per arena per list (``kern.engine.arena.land``).
 """
 
@@ -105,6 +109,9 @@ class Runner:
         self._row_states: dict[int, tuple[int, int]] = {}  # slot -> (first row, num rows)
         self._row_conv: Tensor | None = None
         self._row_delta: Tensor | None = None
+        # Opt-in: the last forward's post-final-norm hidden rows [T, hidden] (see the notes).
+        self.keep_hidden = False
+        self.hidden: Tensor | None = None
 
     @classmethod
     def with_pages(
@@ -154,7 +161,8 @@ class Runner:
     def forward(self, batch: Sequence[SeqChunk]) -> Tensor:
         """Run one step; returns float32 logits [num_logit_rows, vocab], rows in batch order
         (per chunk: its last row for ``"last"``, every row for ``"all"``, none for
-        ``"none"``).
+        ``"none"``). With ``keep_hidden``, ``hidden`` is then every row's post-norm hidden
+        state, rows in batch order.
 
         Mutates: writes each chunk's K/V at its positions through its block table and, for
         stateful models, replaces each chunk's slot state with the state after its rows.
@@ -199,6 +207,8 @@ class Runner:
         rope = self.ops.plan_rope(step.positions, c.rope_theta, c.rotary_dim, *self._rope)
         step = replace(step, rope=rope, attention=attention, recurrent=recurrent)
         hidden = self.model.forward(step, caches)
+        if self.keep_hidden:
+            self.hidden = self.ops.rms_norm(hidden, self.model.final_norm, c.rms_norm_eps)
         return self.model.logits(hidden[step.logit_rows])
 
     def keep_rows(self, slot: int, num_rows: int) -> None:

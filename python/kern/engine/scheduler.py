@@ -348,8 +348,6 @@ class Scheduler:
                 self.memory.share_prefill(req)
             if self.stateful and req.num_computed == self.memory.prompt_snapshot_at(req):
                 self.memory.prompt_snapshot(req)
-        if not rows:
-            return
         now = time.perf_counter()
         m = self.metrics
         for req, start, n in rows:
@@ -390,6 +388,8 @@ class Scheduler:
             if reason is not None:
                 self._running.remove(req)
                 self._finish(req, reason, events)
+        if drafter is not None:
+            drafter.stepped(batch, [r for r, _ in plan], self.memory)
 
     def _grow(self, req: Request, k: int) -> bool:
         """Pages for ``req``'s next ``k`` tokens, preempting the youngest running requests

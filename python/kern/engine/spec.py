@@ -16,9 +16,12 @@ Design notes
   never past ``max_tokens``, and a request with a grammar decodes one row at a time.
 * A :class:`Drafter` is the scheduler's one view of where drafts come from: it plans a
   request's drafts inside the step's room, runs what it planned, and hears what a verify
-  accepted. Two kinds: n-gram lookup in the request's own context (:class:`NgramDrafts`,
-  kern.engine.ngram) and a draft checkpoint (:class:`ModelDrafts`, kern.engine.draft).
-  Per-request state is one :class:`DraftState` on ``Request.draft``.
+  accepted; it also hears of every forward (``stepped``), for a drafter that reads the
+  target's hidden states. Three kinds: n-gram lookup in the request's own context
+  (:class:`NgramDrafts`, kern.engine.ngram), a draft checkpoint (:class:`ModelDrafts`,
+  kern.engine.draft) and the target's own multi-token-prediction layer
+  (``kern.engine.mtp.MtpDrafts``). Per-request state is one :class:`DraftState` on
+  ``Request.draft``.
 * Draft checkpoints: after the step is planned, the draft model runs for the requests that
   draft: one forward of catch-up chunks (every token its KV lacks: the prompt at the first
   decode step, then what the last verify accepted, counted in the step budget with the
@@ -190,6 +193,11 @@ class Drafter(Protocol):
         """``req``'s verify of its drafts yielded ``accepted`` tokens (:func:`accept`)."""
         ...
 
+    def stepped(self, batch: Sequence[SeqChunk], reqs: Sequence[Request], memory: Memory) -> None:
+        """The step's forward ran ``batch`` (``reqs[i]`` ran ``batch[i]``), its tokens are
+        appended and its verifies settled."""
+        ...
+
 
 def _num_drafts(rows: int, req: Request) -> int:
     """Drafts ``req`` may verify at most: none past ``max_tokens`` (nothing past it is ever
@@ -229,6 +237,9 @@ class NgramDrafts:
 
     def accepted(self, req: Request, accepted: int) -> None:
         pass  # the index catches up with the tokens at the next plan
+
+    def stepped(self, batch: Sequence[SeqChunk], reqs: Sequence[Request], memory: Memory) -> None:
+        pass
 
 
 class ModelDrafts:
@@ -296,3 +307,6 @@ class ModelDrafts:
     def accepted(self, req: Request, accepted: int) -> None:
         assert req.draft is not None
         req.draft.accepted(accepted, self.sampler.runner.copy_slots)
+
+    def stepped(self, batch: Sequence[SeqChunk], reqs: Sequence[Request], memory: Memory) -> None:
+        pass  # catches up from the tokens when it next drafts

@@ -12,9 +12,12 @@ Design notes
 * A key kern does not implement for the command is refused, never ignored: ``ranks`` above 1
   for a model ``parallel`` does not split (kern.engine.ranks.shard) or on too few CUDA devices,
   and a draft checkpoint kern cannot run beside the target (kern.engine.draft: another tokenizer or
-  vocabulary, KV that does not fit the target's page, ranks above 1). ``draft = "ngram"``
-  (the default at rows > 1) or a draft checkpoint is the drafter ``kern run``, ``kern test``
-  and ``kern serve`` use.
+  vocabulary, KV that does not fit the target's page, ranks above 1), and ``draft = "mtp"``
+  where the checkpoint has no multi-token-prediction layer kern reads (kern.engine.mtp: not
+  deepseek_v3, none in config.json, ranks above 1). ``draft = "ngram"`` (the default at
+  rows > 1), ``"mtp"`` or a draft checkpoint is the drafter ``kern run``, ``kern test`` and
+  ``kern serve`` use; ``--draft`` sets it on the command line (a folder relative to the
+  working directory), and a draft with no row shape above 1 is refused, as in a kern.toml.
 * ``--rows R`` (``kern run``, ``kern serve``; ``KERN_ROWS`` under hypercorn) picks one of a
   kern.toml target's declared shapes (:func:`choose_rows`; rows 1, plain decoding, is always
   allowed); a ``--model`` or embedded target declares none, so any R is taken as declared.
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kern.errors import UsageError
-from kern.kern_toml import Target, default_dtype, load_toml_config
+from kern.kern_toml import DRAFTERS, Target, default_dtype, load_toml_config
 from kern.model_config import MissingFileError, ModelConfig, load_config
 
 __all__ = [
@@ -57,6 +60,7 @@ FLAGS = {
     "threads": "--threads",
     "ranks": "--ranks",
     "reasoning_parser": "--reasoning-parser",
+    "draft": "--draft",
 }
 
 
@@ -142,6 +146,8 @@ def resolve_target(
         origin_dtype = f"{FLAGS['device']} {given['device']}"
     else:
         origin_dtype = FLAGS["dtype"]
+    if given.get("draft") not in (None, *DRAFTERS):
+        given["draft"] = str(Path(given["draft"]).resolve())
     if given:
         origin = dict(resolved.origin)
         for key in given:
@@ -197,10 +203,20 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     if not target.checkpoint.is_dir():
         raise MissingFileError(f"{target.checkpoint}: no such checkpoint folder")
     config = load_config(target.checkpoint)
+    if target.draft is not None and target.widest_rows < 2:
+        raise UsageError(
+            f"{target.where('draft')}: draft = {target.draft!r} drafts nothing at rows "
+            f"{list(target.rows)} (a step at rows R verifies R - 1 drafts): declare a row shape "
+            "above 1 (--rows R, or rows = [1, 4] in a kern.toml)"
+        )
     if target.draft_checkpoint is not None:
         from kern.engine.draft import check_draft_target
 
         check_draft_target(target, config)
+    if target.draft == "mtp":
+        from kern.engine.mtp import check_mtp_target
+
+        check_mtp_target(target, config)
     if target.ranks != 1:
         from kern.engine.ranks.shard import Shard, ShardError
 
