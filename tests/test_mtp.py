@@ -368,3 +368,49 @@ def test_served_with_mtp_is_kern_run_at_rows_4_and_1(tmp_path, folders):
         s.assert_no_leak()
     finally:
         s.close()
+
+
+def test_a_folder_transformers_saved_with_its_mtp_shard_serves_like_kern_run(tmp_path, folders):
+    """The real checkpoints' shape: transformers' own ``save_pretrained`` writes the target in
+    shards with an index (it drops the MTP layer), and the MTP layer rides in a shard of its
+    own that the index names, as DeepSeek-V3's layer 61 does. ``kern serve --model DIR --rows 4
+    --draft mtp`` answers as ``kern run`` does at rows 4 and 1, and drafts."""
+    transformers = pytest.importorskip("transformers")
+    from support.server import Server
+
+    src = folders["agree"]
+    n = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        src, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    out = tmp_path / "saved"
+    model.save_pretrained(out, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / name, out / name)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert not any(k.startswith(f"model.layers.{n}.") for k in index["weight_map"])
+    assert len(set(index["weight_map"].values())) > 1
+    mtp = {k: v for k, v in load_file(src / "model.safetensors").items() if f"layers.{n}." in k}
+    save_file(mtp, str(out / "model-mtp.safetensors"))
+    index["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    ckpt = load_checkpoint(out, mtp=True)
+    prompts = [prompt(120 + i, 5 + 4 * i) for i in range(3)]
+    want = [generate(ckpt, p, 16, rows=1, page_tokens=16, threads=2).ids for p in prompts]
+    for p, w in zip(prompts, want, strict=True):
+        assert generate(ckpt, p, 16, rows=4, page_tokens=16, threads=2, mtp=True).ids == w
+    s = Server(
+        tmp_path, "saved", pool_bytes="4MiB", model=out, extra=("--rows", "4", "--draft", "mtp")
+    )
+    try:
+        eos = set(ckpt.tokenizer.eos_token_ids)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(lambda p: s.complete(p, 16), prompts))
+        for out_, w in zip(outs, want, strict=True):
+            cut = next((k + 1 for k, t in enumerate(w) if t in eos), len(w))
+            assert out_["choices"][0]["token_ids"] == w[:cut]
+        assert s.metrics()["kern_spec_decode_num_draft_tokens_total"] > 0
+        s.assert_no_leak()
+    finally:
+        s.close()

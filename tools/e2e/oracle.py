@@ -117,8 +117,8 @@ def target_fingerprint(target: Target) -> dict[str, Any]:
     out = dataclasses.asdict(target)
     del out["name"]
     out["checkpoint"] = tree_hash(Path(target.checkpoint))
-    if target.draft is not None and target.draft != "ngram":
-        out["draft"] = tree_hash(Path(target.draft))
+    if target.draft_checkpoint is not None:
+        out["draft"] = tree_hash(target.draft_checkpoint)
     return json.loads(json.dumps(out))  # tuples -> lists, paths -> str
 
 
