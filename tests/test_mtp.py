@@ -8,7 +8,7 @@ in a pool too tight for every MTP page; seeded sampling too; the scheduler draft
 
 Acceptance: random weights accept next to nothing (the MTP layer was never trained to agree
 with its target); it is measured, and shown with ``-s``, on a tiny model whose MTP layer is
-built to agree with its target (:func:`agreeing`)."""
+built to agree with its target (:func:`kern.bench.mtp.agreeing`)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from support.scheduler import draft_of, fresh, prompt, spec_counts
 
 from kern.arith import cdiv
+from kern.bench.mtp import agreeing
 from kern.checkpoint import load_checkpoint
 from kern.chunk import SeqChunk
 from kern.engine.generate import generate
@@ -38,27 +39,6 @@ from kern.tiny import make_tiny
 
 PT = 4
 STEPS = 24
-
-
-def agreeing(src: Path, dst: Path, scale: float) -> Path:
-    """A copy of ``src`` whose MTP layer agrees with its target often: every layer's output
-    projections (attention and MLP, the MTP's too) scaled by ``scale``, so the target's next
-    token is mostly a function of the current one, and the MTP's ``eh_proj`` passes the
-    normalised embedding through (its hidden half zero), its ``enorm`` plain and its head norm
-    the target's final norm: it predicts that function too."""
-    shutil.copytree(src, dst)
-    h = json.loads((dst / "config.json").read_text())["hidden_size"]
-    n = json.loads((dst / "config.json").read_text())["num_hidden_layers"]
-    t = load_file(dst / "model.safetensors")
-    for k in list(t):
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
-            t[k] = t[k] * scale
-    p = f"model.layers.{n}."
-    t[p + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    t[p + "enorm.weight"] = torch.ones(h)
-    t[p + "shared_head.norm.weight"] = t["model.norm.weight"].clone()
-    save_file(t, str(dst / "model.safetensors"))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -414,3 +394,16 @@ def test_a_folder_transformers_saved_with_its_mtp_shard_serves_like_kern_run(tmp
         s.assert_no_leak()
     finally:
         s.close()
+
+
+def test_mtp_benchmark_runs_and_its_rows_agree(folders, capsys):
+    """``python -m kern.bench.mtp`` (docs/performance.md): it compares the answers at rows 1
+    and 4 before it prints a speed-up, and the agreeing copy it builds accepts drafts."""
+    from kern.bench.mtp import main
+
+    args = ["--model", str(folders["random"]), "--steps", "12", "--prompts", "2", "--repeat", "1"]
+    assert main([*args, "--agree", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "rows 1 vs rows 4 (MTP drafts)" in out and "agreeing (output projections x 0.1)" in out
+    total = next(line for line in out.splitlines() if line.startswith("| all |"))
+    assert total.split("|")[5].strip() != "0%"

@@ -48,7 +48,9 @@ from kern.bench.forward import MODEL_100M
 __all__ = ["main"]
 
 
-def _engine(checkpoint: Path, rows: int, threads: int, draft: Path | None = None):
+def engine_for(checkpoint: Path, rows: int, threads: int, draft: str | Path | None = None):
+    """An engine of ``checkpoint`` at rows 1 and ``rows``, drafting with ``draft`` (a drafter's
+    name or a draft folder; None: n-gram lookup)."""
     from kern.engine.load import Engine
     from kern.kern_toml import Target
 
@@ -63,7 +65,7 @@ def _engine(checkpoint: Path, rows: int, threads: int, draft: Path | None = None
     return Engine.load(target)
 
 
-class _Driver:
+class Driver:
     """A scheduler at some rows over the engine, stepped here; one request at a time."""
 
     def __init__(self, engine, rows: int) -> None:
@@ -100,6 +102,45 @@ class _Driver:
         drafted = m.value("kern_spec_decode_num_draft_tokens_total") - drafted0
         accepted = m.value("kern_spec_decode_num_accepted_tokens_total") - accepted0
         return ids, last - first, drafted, accepted
+
+
+def compare(
+    prompts: list[list[int]], one: Driver, wide: Driver, rows: int, steps: int, repeat: int
+) -> None:
+    """Print a table: each prompt's decode tok/s at rows 1 and ``rows``, best of ``repeat``
+    alternating runs, the speed-up and the acceptance; then all prompts together. An answer
+    at ``rows`` other than rows 1's is an error."""
+    print(f"| prompt | rows 1 tok/s | rows {rows} tok/s | speed-up | acceptance |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    total = {1: 0.0, rows: 0.0}
+    all_drafted = all_accepted = 0.0
+    for i, prompt in enumerate(prompts):
+        best = {1: float("inf"), rows: float("inf")}
+        answers: dict[int, list[int]] = {}
+        drafted = accepted = 0.0
+        for _ in range(repeat):
+            for r, driver in ((1, one), (rows, wide)):
+                ids, secs, d, a = driver.run(prompt, steps)
+                answers[r] = ids
+                best[r] = min(best[r], secs)
+                if r > 1:
+                    drafted, accepted = d, a
+        if answers[1] != answers[rows]:
+            raise SystemExit(f"prompt {i}: the answer at rows {rows} differs from rows 1")
+        for r in best:
+            total[r] += best[r]
+        all_drafted += drafted
+        all_accepted += accepted
+        n = steps - 1
+        print(
+            f"| {i} | {n / best[1]:.1f} | {n / best[rows]:.1f} | "
+            f"{best[1] / best[rows]:.2f}x | {accepted / max(drafted, 1):.0%} |"
+        )
+    n = (steps - 1) * len(prompts)
+    print(
+        f"| all | {n / total[1]:.1f} | {n / total[rows]:.1f} | "
+        f"{total[1] / total[rows]:.2f}x | {all_accepted / max(all_drafted, 1):.0%} |"
+    )
 
 
 def _loop_start(
@@ -191,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.draft and draft is None:
             draft = Path(tmp) / "qwen3-100m-draft"
             make_tiny("qwen3", draft, seed=0, **{**MODEL_100M, "layers": args.draft_layers})
-        engine = _engine(model, args.rows, args.threads, draft if args.draft else None)
+        engine = engine_for(model, args.rows, args.threads, draft if args.draft else None)
         vocab = min(args.prompt_vocab, engine.checkpoint.config.vocab_size)
-        one = _Driver(engine, 1)
-        wide = _Driver(engine, args.rows)
+        one = Driver(engine, 1)
+        wide = Driver(engine, args.rows)
         rng = random.Random(args.seed)
         chosen: list[list[int]] = []
         tried = 0
@@ -243,38 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         if not chosen:
             print("no prompt with a repeating answer: nothing to measure")
             return 1
-        head = f"| prompt | rows 1 tok/s | rows {args.rows} tok/s | speed-up | acceptance |"
-        print(head)
-        print("| ---: | ---: | ---: | ---: | ---: |")
-        total = {1: 0.0, args.rows: 0.0}
-        all_drafted = all_accepted = 0.0
-        for i, prompt in enumerate(chosen):
-            best = {1: float("inf"), args.rows: float("inf")}
-            answers = {}
-            drafted = accepted = 0.0
-            for _ in range(args.repeat):
-                for rows, driver in ((1, one), (args.rows, wide)):
-                    ids, secs, d, a = driver.run(prompt, args.steps)
-                    answers[rows] = ids
-                    best[rows] = min(best[rows], secs)
-                    if rows > 1:
-                        drafted, accepted = d, a
-            if answers[1] != answers[args.rows]:
-                raise SystemExit(f"prompt {i}: the answer at rows {args.rows} differs from rows 1")
-            n = args.steps - 1
-            for rows in best:
-                total[rows] += best[rows]
-            all_drafted += drafted
-            all_accepted += accepted
-            print(
-                f"| {i} | {n / best[1]:.1f} | {n / best[args.rows]:.1f} | "
-                f"{best[1] / best[args.rows]:.2f}x | {accepted / max(drafted, 1):.0%} |"
-            )
-        n = (args.steps - 1) * len(chosen)
-        print(
-            f"| all | {n / total[1]:.1f} | {n / total[args.rows]:.1f} | "
-            f"{total[1] / total[args.rows]:.2f}x | {all_accepted / max(all_drafted, 1):.0%} |"
-        )
+        compare(chosen, one, wide, args.rows, args.steps, args.repeat)
     return 0
 
 
