@@ -59,6 +59,23 @@ CASES = {
         ),
         {},
     ),
+    "kimi_linear-default": ("kimi_linear", dict(), {}),
+    # Kimi-Linear's own pattern (three KDA layers, then NoPE MLA), with a q-LoRA, a short conv
+    # of 3, two groups of experts, every MLP sparse
+    "kimi_linear-q-lora-k3": (
+        "kimi_linear",
+        dict(
+            q_lora_rank=24,
+            conv_kernel=3,
+            linear_value_heads=2,
+            linear_value_head_dim=32,
+            full_attention_interval=4,
+            n_group=2,
+            topk_group=1,
+            first_k_dense=0,
+        ),
+        {},
+    ),
     "qwen3_5-d64-tied-k2v2": (
         "qwen3_5",
         dict(

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from kern.checkpoint_errors import ConfigFieldError, UnsupportedModelError
 
 if TYPE_CHECKING:
-    from kern.model_config import ModelConfig, _Fields
+    from kern.config_fields import Fields
+    from kern.model_config import ModelConfig
 
 __all__ = ["deepseek_v3_fields", "softmax_scale", "yarn", "yarn_mscale"]
 
@@ -31,7 +32,7 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def yarn(f: _Fields, params: dict[str, Any], where: str) -> tuple[float, ...]:
+def yarn(f: Fields, params: dict[str, Any], where: str) -> tuple[float, ...]:
     """(factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
     mscale_all_dim, attention_factor (0: derived), truncate) as transformers reads them."""
 
@@ -74,7 +75,7 @@ def yarn(f: _Fields, params: dict[str, Any], where: str) -> tuple[float, ...]:
     )
 
 
-def deepseek_v3_fields(f: _Fields, num_layers: int, heads: int, where: str) -> dict[str, Any]:
+def deepseek_v3_fields(f: Fields, num_layers: int, heads: int, where: str) -> dict[str, Any]:
     q_lora = f.raw.get("q_lora_rank")
     if q_lora is not None:
         q_lora = f.pos_int("q_lora_rank")
@@ -132,7 +133,7 @@ def deepseek_v3_fields(f: _Fields, num_layers: int, heads: int, where: str) -> d
     return out
 
 
-def _count(f: _Fields, key: str, default: int) -> int:
+def _count(f: Fields, key: str, default: int) -> int:
     value = f.raw.get(key, default)
     if value is None:
         value = default

@@ -23,7 +23,6 @@ Design notes
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from kern.checkpoint_errors import (
     MissingFileError,
     UnsupportedModelError,
 )
+from kern.config_fields import Fields
 
 __all__ = [
     "FAMILIES",
@@ -46,7 +46,7 @@ __all__ = [
     "parse_config",
 ]
 
-FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe", "deepseek_v3")
+FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe", "deepseek_v3", "kimi_linear")
 
 # model_type strings found in config.json files, mapped to the family kern runs them as.
 # Kimi K2 publishes its text model as ``kimi_k2`` (DeepSeek-V3's fields at the top level);
@@ -59,6 +59,7 @@ _MODEL_TYPES = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "kimi_k25": "deepseek_v3",
+    "kimi_linear": "kimi_linear",
 }
 
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -131,6 +132,12 @@ class ModelConfig:
     rope_yarn: tuple[float, ...] = ()
     # FP8 block-scaled weights (DeepSeek's quantization_config): the block, or () for none.
     fp8_block: tuple[int, ...] = ()
+    # Per layer "dense" or "sparse" (kimi_linear's mlp_layer_types); () where the family
+    # decides by first_k_dense_replace or decoder_sparse_step.
+    mlp_layer_types: tuple[str, ...] = ()
+    # Latent attention without any rotary embedding (kimi_linear): the rope dims are cached
+    # unrotated.
+    mla_use_nope: bool = False
     # The whole config.json as read (for a multimodal qwen3_5 file, text fields are in
     # raw["text_config"]). Excluded from equality and hashing: two files that describe the
     # same model compare equal.
@@ -148,6 +155,8 @@ class ModelConfig:
 
     def is_sparse_layer(self, layer_id: int) -> bool:
         """Whether layer ``layer_id`` has a mixture-of-experts MLP (else a dense one)."""
+        if self.mlp_layer_types:
+            return self.num_experts > 0 and self.mlp_layer_types[layer_id] == "sparse"
         if self.model_type == "deepseek_v3":
             return self.num_experts > 0 and layer_id >= self.first_k_dense_replace
         return (
@@ -196,12 +205,14 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         where = f"{source} (text_config)"
         if not isinstance(text, dict):
             raise ConfigFieldError(f"{source}: field 'text_config' must be an object")
-    f = _Fields(text, where)
+    f = Fields(text, where)
 
     num_layers = f.pos_int("num_hidden_layers")
     hidden = f.pos_int("hidden_size")
     heads = f.pos_int("num_attention_heads")
-    kv_heads = f.pos_int("num_key_value_heads", default=heads if family == "qwen3" else 4)
+    kv_heads = f.pos_int(
+        "num_key_value_heads", default=heads if family in ("qwen3", "kimi_linear") else 4
+    )
     if heads % kv_heads:
         raise ConfigFieldError(
             f"{where}: num_attention_heads ({heads}) must be a multiple of "
@@ -212,12 +223,17 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         "qwen3_5": 256,
         "qwen3_moe": hidden // heads,
         "deepseek_v3": f.raw.get("qk_rope_head_dim", 64),
+        "kimi_linear": f.raw.get("qk_rope_head_dim", 64),
     }[family]
     hidden_act = f.text("hidden_act", default="silu")
     if hidden_act != "silu":
         raise UnsupportedModelError(f"{where}: hidden_act {hidden_act!r} is not supported (silu)")
 
-    rope_theta, partial_rotary, rope_type, rope_yarn = _rope(f, family, where)
+    if family == "kimi_linear":
+        # No rotary embedding anywhere (kern.kimi_config refuses a file that asks for one).
+        rope_theta, partial_rotary, rope_type, rope_yarn = 10000.0, 1.0, "default", ()
+    else:
+        rope_theta, partial_rotary, rope_type, rope_yarn = _rope(f, family, where)
 
     tie = text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))
     if not isinstance(tie, bool):
@@ -232,13 +248,17 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=f.pos_int("head_dim", default=head_dim_default),
-        rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
+        rms_norm_eps=f.number("rms_norm_eps", default=1e-5 if family == "kimi_linear" else 1e-6),
         rope_theta=rope_theta,
         partial_rotary_factor=partial_rotary,
         rope_type=rope_type,
         rope_yarn=rope_yarn,
         tie_word_embeddings=tie,
-        max_position_embeddings=f.pos_int("max_position_embeddings", default=32768),
+        # kimi_linear calls it model_max_length (transformers' attribute map).
+        max_position_embeddings=f.pos_int(
+            "model_max_length" if "model_max_length" in text else "max_position_embeddings",
+            default=1048576 if family == "kimi_linear" else 32768,
+        ),
         attention_bias=f.flag("attention_bias", default=False),
         hidden_act=hidden_act,
         bos_token_id=_token_id(text, raw, "bos_token_id", where),
@@ -257,6 +277,12 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         # transformers sets head_dim to the rotary dims (the part RoPE turns).
         common["head_dim"] = common["qk_rope_head_dim"]
         common["num_key_value_heads"] = heads
+    elif family == "kimi_linear":
+        from kern.kimi_config import kimi_linear_fields
+
+        common.update(kimi_linear_fields(f, num_layers, where))
+        common["head_dim"] = common["qk_rope_head_dim"]
+        common["num_key_value_heads"] = heads
     else:
         if f.flag("use_sliding_window", default=False):
             raise UnsupportedModelError(
@@ -268,7 +294,7 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
     return ModelConfig(**common)
 
 
-def _rope(f: _Fields, family: str, where: str) -> tuple[float, float, str, tuple[float, ...]]:
+def _rope(f: Fields, family: str, where: str) -> tuple[float, float, str, tuple[float, ...]]:
     params = f.raw.get("rope_parameters")
     if params is None:
         # Pre-5.0 files: rope_theta at the top level, scaling in rope_scaling.
@@ -301,7 +327,7 @@ def _rope(f: _Fields, family: str, where: str) -> tuple[float, float, str, tuple
     return float(theta), float(partial), rope_type, yarn
 
 
-def _qwen3_5_fields(f: _Fields, num_layers: int, where: str) -> dict[str, Any]:
+def _qwen3_5_fields(f: Fields, num_layers: int, where: str) -> dict[str, Any]:
     layer_types = f.raw.get("layer_types")
     if layer_types is None:
         # transformers derives the pattern from full_attention_interval (default 4): every
@@ -340,7 +366,7 @@ def _qwen3_5_fields(f: _Fields, num_layers: int, where: str) -> dict[str, Any]:
     return out
 
 
-def _moe_fields(f: _Fields, num_layers: int, where: str) -> dict[str, Any]:
+def _moe_fields(f: Fields, num_layers: int, where: str) -> dict[str, Any]:
     # transformers 5 writes num_experts as num_local_experts (an attribute_map alias).
     key = "num_experts" if "num_experts" in f.raw else "num_local_experts"
     num_experts = f.pos_int(key)
@@ -387,49 +413,3 @@ def _eos_ids(text: dict, raw: dict, where: str) -> tuple[int, ...]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ConfigFieldError(f"{where}: field 'eos_token_id' must hold token ids, got {v!r}")
     return tuple(dict.fromkeys(values))
-
-
-class _Fields:
-    """Typed reads of one JSON object, with errors that name the file and the field."""
-
-    def __init__(self, raw: dict[str, Any], where: str) -> None:
-        self.raw = raw
-        self.where = where
-
-    _MISSING = object()
-
-    def _get(self, key: str, default: Any) -> Any:
-        value = self.raw.get(key, default)
-        if value is self._MISSING:
-            raise ConfigFieldError(f"{self.where}: missing required field {key!r}")
-        return value
-
-    def pos_int(self, key: str, default: Any = _MISSING) -> int:
-        value = self._get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigFieldError(
-                f"{self.where}: field {key!r} must be a positive integer, got {value!r}"
-            )
-        return value
-
-    def number(self, key: str, default: Any = _MISSING) -> float:
-        value = self._get(key, default)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise ConfigFieldError(f"{self.where}: field {key!r} must be a number, got {value!r}")
-        return float(value)
-
-    def flag(self, key: str, default: Any = _MISSING) -> bool:
-        value = self._get(key, default)
-        if not isinstance(value, bool):
-            raise ConfigFieldError(f"{self.where}: field {key!r} must be a boolean, got {value!r}")
-        return value
-
-    def text(self, key: str, default: Any = _MISSING) -> str:
-        value = self._get(key, default)
-        if not isinstance(value, str):
-            raise ConfigFieldError(f"{self.where}: field {key!r} must be a string, got {value!r}")
-        return value

@@ -10,6 +10,10 @@ Design notes
 * DeepSeek-V3's multi-token-prediction layers are ``model.layers.<num_hidden_layers + k>``
   (a decoder block plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head``): read only for
   a target that drafts with them (``mtp``), skipped unread otherwise.
+* Kimi-Linear's files (and transformers' ``save_pretrained`` of it) put every MLP under
+  ``block_sparse_moe.`` and name the experts' projections ``w1``/``w3``/``w2``; kern reads
+  them as ``mlp.`` and ``gate_proj``/``up_proj``/``down_proj``, the names it uses for every
+  family. Its delta attention keeps the released names (``q_conv1d``, ``f_a_proj``, ...).
 * Mixture-of-experts weights are the per-expert tensors of the published files
   (``mlp.experts.3.gate_proj.weight``), not transformers' fused in-memory layout; its
   ``save_pretrained`` writes them so too.
@@ -19,7 +23,13 @@ from __future__ import annotations
 
 from kern.model_config import ModelConfig
 
-__all__ = ["canonical_name", "expected_shapes", "mtp_shapes"]
+__all__ = ["canonical_name", "expected_shapes", "mtp_shapes", "stored_name"]
+
+_KIMI_EXPERT_NAMES = (
+    (".w1.weight", ".gate_proj.weight"),
+    (".w3.weight", ".up_proj.weight"),
+    (".w2.weight", ".down_proj.weight"),
+)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -71,7 +81,10 @@ def _decoder_layer(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     h = c.hidden_size
     p = f"model.layers.{i}."
     shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    if c.latent_attention:
+    # (deepseek_v3's MTP layers come after layer_types' last entry: latent, checked first.)
+    if c.model_type == "kimi_linear" and c.is_linear_layer(i):
+        shapes.update(_delta_attention(c, p + "self_attn."))
+    elif c.latent_attention:
         shapes.update(_latent_attention(c, p + "self_attn."))
     elif c.is_linear_layer(i):
         shapes.update(_linear_attention(c, p + "linear_attn."))
@@ -81,7 +94,7 @@ def _decoder_layer(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.gate.weight"] = (c.num_experts, h)
         for e in range(c.num_experts):
             shapes.update(_mlp(h, c.moe_intermediate_size, f"{p}mlp.experts.{e}."))
-        if c.model_type == "deepseek_v3":
+        if c.model_type in ("deepseek_v3", "kimi_linear"):
             shapes[p + "mlp.gate.e_score_correction_bias"] = (c.num_experts,)
             if c.n_shared_experts:
                 inner = c.moe_intermediate_size * c.n_shared_experts
@@ -154,6 +167,31 @@ def _linear_attention(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _delta_attention(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Kimi Delta Attention, in the released files' names (transformers' save_pretrained
+    writes them so too)."""
+    h, heads, d = c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim
+    width = heads * d
+    k = c.linear_conv_kernel_dim
+    return {
+        p + "q_proj.weight": (width, h),
+        p + "k_proj.weight": (width, h),
+        p + "v_proj.weight": (width, h),
+        p + "q_conv1d.weight": (width, 1, k),
+        p + "k_conv1d.weight": (width, 1, k),
+        p + "v_conv1d.weight": (width, 1, k),
+        p + "f_a_proj.weight": (d, h),
+        p + "f_b_proj.weight": (width, d),
+        p + "dt_bias": (width,),
+        p + "A_log": (1, 1, heads, 1),
+        p + "b_proj.weight": (heads, h),
+        p + "g_a_proj.weight": (d, h),
+        p + "g_b_proj.weight": (width, d),
+        p + "o_norm.weight": (d,),
+        p + "o_proj.weight": (h, width),
+    }
+
+
 def _mlp(hidden: int, inner: int, p: str) -> dict[str, tuple[int, ...]]:
     return {
         p + "gate_proj.weight": (inner, hidden),
@@ -172,6 +210,13 @@ def canonical_name(config: ModelConfig, name: str, mtp: bool = False) -> str | N
             name = "model." + name[len("model.language_model.") :]
         if name.startswith(("model.visual.", "mtp.")):
             return None
+    if config.model_type == "kimi_linear":
+        # Kimi's files put the MLPs (dense or not) under block_sparse_moe. and name the
+        # experts' projections w1 (gate), w3 (up), w2 (down).
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        for old, new in _KIMI_EXPERT_NAMES:
+            if name.endswith(old) and ".experts." in name:
+                name = name[: -len(old)] + new
     if config.model_type == "deepseek_v3":
         # Kimi K2.5 stores its text model under language_model. beside a vision tower.
         if name.startswith("language_model."):
@@ -184,4 +229,20 @@ def canonical_name(config: ModelConfig, name: str, mtp: bool = False) -> str | N
                 # DeepSeek's MTP layers follow the decoder's; read only when drafting.
                 keep = mtp and int(layer) < config.num_hidden_layers + config.num_mtp_layers
                 return name if keep else None
+    return name
+
+
+def stored_name(config: ModelConfig, name: str) -> str:
+    """The name a released checkpoint of ``config``'s family stores kern's tensor ``name``
+    under (the inverse of :func:`canonical_name` for the names it renames)."""
+    if config.model_type != "kimi_linear" or ".mlp." not in name:
+        return name
+    layer = int(name.split(".")[2])
+    if not config.is_sparse_layer(layer):
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    if ".experts." in name:
+        for old, new in _KIMI_EXPERT_NAMES:
+            if name.endswith(new):
+                name = name[: -len(new)] + old
     return name

@@ -145,10 +145,12 @@ class CpuOps:
         variance = x.pow(2).mean(-1, keepdim=True)
         return x * variance.add_(eps).rsqrt_() * w
 
-    def gated_rms_norm(self, x: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
-        # The reference's op order, with a batch-invariant silu.
+    def gated_rms_norm(
+        self, x: Tensor, z: Tensor, w: Tensor, eps: float, gate: str = "silu"
+    ) -> Tensor:
+        # The reference's op order, with a batch-invariant silu or sigmoid.
         variance = x.pow(2).mean(-1, keepdim=True)
-        return (w * (x * variance.add_(eps).rsqrt_())) * silu(z)
+        return (w * (x * variance.add_(eps).rsqrt_())) * (silu(z) if gate == "silu" else sigmoid(z))
 
     def plan_rope(
         self,

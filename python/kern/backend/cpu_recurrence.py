@@ -1,5 +1,6 @@
-"""Qwen3.5's recurrent mixers on the CPU: the causal conv1d and the gated delta rule,
-batched across the sequences of a step, with states in slots.
+"""The recurrent mixers (Qwen3.5's gated DeltaNet, Kimi's delta attention) on the CPU: the
+causal conv1d and the gated delta rule, batched across the sequences of a step, with states
+in slots.
 
 Design notes
 ------------
@@ -158,7 +159,9 @@ def gated_delta_rule(
 ) -> Tensor:
     """Token-by-token gated delta rule with l2-normalised q, k.
 
-    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; states [S, Hv, Dk, Dv] float32 read
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; beta: [T, Hv]; g: [T, Hv] (a decay per head,
+    Qwen3.5) or [T, Hv, Dk] (per key channel, Kimi's delta attention: row d of a head's
+    state decays by exp(g[d])); states [S, Hv, Dk, Dv] float32 read
     and overwritten at the step's slots. Value head h reads key head h // (Hv // Hk).
     ``snapshots`` ([N, Hv, Dk, Dv]) receives the state after each snapshot row. Returns
     [T, Hv, Dv].
@@ -169,13 +172,14 @@ def gated_delta_rule(
     if rep > 1:
         q = q.repeat_interleave(rep, dim=1)
         k = k.repeat_interleave(rep, dim=1)
-    decay = g.exp()
+    # Per head: [T, Hv, 1, 1]; per channel: [T, Hv, Dk, 1].
+    decay = g.exp()[..., None] if g.dim() == 3 else g.exp()[..., None, None]
     slots = plan.slot_ids[plan.order]
     state = states[slots]  # [B, Hv, Dk, Dv], a copy, in `order`
     out = v.new_empty(v.shape)
     for (active, rows), snap in zip(plan.steps, plan.snap_steps, strict=True):
         s = state[:active]
-        s.mul_(decay[rows][:, :, None, None])
+        s.mul_(decay[rows])
         k_t = k[rows][:, :, :, None]
         kv_mem = (s * k_t).sum(dim=-2)
         delta = (v[rows] - kv_mem) * beta[rows][:, :, None]

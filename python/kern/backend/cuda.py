@@ -72,8 +72,10 @@ class CudaOps:
             out[:, lo:hi] = self._norm.rms_norm(part, weight[lo], eps, offset=offset)
         return out
 
-    def gated_rms_norm(self, x: Tensor, z: Tensor, w: Tensor, eps: float) -> Tensor:
-        return self._norm.gated_rms_norm(x, z, w, eps)
+    def gated_rms_norm(
+        self, x: Tensor, z: Tensor, w: Tensor, eps: float, gate: str = "silu"
+    ) -> Tensor:
+        return self._norm.gated_rms_norm(x, z, w, eps, gate=gate)
 
     def plan_rope(
         self,

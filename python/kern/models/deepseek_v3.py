@@ -76,6 +76,8 @@ class LatentAttention:
         self.q_lora = c.q_lora_rank
         self.eps = c.rms_norm_eps
         self.scale = softmax_scale(c)
+        # Kimi-Linear's latent attention turns nothing: its rope dims are cached as computed.
+        self.rotary = not c.mla_use_nope
         qk = self.nope + self.rope
         # Rows of each head's query and of the shared key that RoPE turns, in the order the
         # rotate-half rotation reads them.
@@ -124,7 +126,8 @@ class LatentAttention:
         latent = ops.rms_norm(ckv[:, :rank], self.kv_norm, _LORA_NORM_EPS)
         # The heads' rope queries and the shared rope key turn as one [T, H + 1, rope].
         pe = torch.cat([q[:, :, nope:], ckv[:, None, rank:]], dim=1)
-        pe = ops.rotary(pe, step.rope, rope)
+        if self.rotary:
+            pe = ops.rotary(pe, step.rope, rope)
         cache = caches.kv[self.index]
         ops.write_latent(step, torch.cat([latent, pe[:, h]], dim=1), cache)
         q_latent = ops.head_linear(q[:, :, :nope].contiguous(), self.w_uk)  # [T, H, rank]

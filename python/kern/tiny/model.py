@@ -17,73 +17,14 @@ from safetensors.torch import save_file
 
 from kern.checkpoint import expected_shapes, mtp_shapes, parse_dtype
 from kern.model_config import FAMILIES, ModelConfig, parse_config
+from kern.tensor_names import stored_name
+from kern.tiny.config import DEFAULTS, FP8_BLOCK
+from kern.tiny.config import config_json as tiny_config_json
 from kern.tiny.tokenizer import build_tokenizer, tokenizer_config
 
 # The embedded default model (python/kern/assets/tiny-qwen3) is make_tiny("qwen3", DIR,
 # **DEFAULT_MODEL_ARGS); tests/test_tiny.py regenerates it and compares bytes.
 DEFAULT_MODEL_ARGS: dict[str, Any] = {"seed": 0}
-
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen3": dict(
-        layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512
-    ),
-    "qwen3_5": dict(
-        layers=4,
-        hidden=64,
-        heads=4,
-        kv_heads=2,
-        head_dim=32,
-        intermediate=128,
-        vocab=512,
-        linear_key_heads=2,
-        linear_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        conv_kernel=4,
-        full_attention_interval=2,
-    ),
-    "qwen3_moe": dict(
-        layers=2,
-        hidden=64,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        intermediate=128,
-        vocab=512,
-        experts=8,
-        experts_per_tok=2,
-        moe_intermediate=32,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=(),
-    ),
-    "deepseek_v3": dict(
-        layers=3,
-        hidden=64,
-        heads=4,
-        intermediate=128,
-        vocab=512,
-        experts=8,
-        experts_per_tok=2,
-        moe_intermediate=32,
-        norm_topk_prob=True,
-        kv_lora_rank=32,
-        q_lora_rank=48,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=16,
-        n_group=2,
-        topk_group=1,
-        shared_experts=1,
-        first_k_dense=1,
-        mtp_layers=0,
-        yarn_factor=0,
-    ),
-}
-
-# Block of the FP8 weights make_tiny writes with ``fp8=True``: DeepSeek's released
-# 128 x 128 would be one block for most tiny matrices; 16 x 16 tests the block edges.
-FP8_BLOCK = (16, 16)
 
 
 def default_model_path() -> Path:
@@ -138,9 +79,9 @@ def make_tiny(
 ) -> Path:
     """Write a random-weight checkpoint of ``family`` to ``out_dir``; returns ``out_dir``.
 
-    Sizes left as None take the family's tiny defaults (``_DEFAULTS``); options that do not
-    apply to the family (``experts`` for ``qwen3``) must be None. ``dtype`` is the stored
-    dtype (``float32``/``bfloat16``/``float16``); ``shards > 1`` writes
+    Sizes left as None take the family's tiny defaults (``kern.tiny.config.DEFAULTS``);
+    options that do not apply to the family (``experts`` for ``qwen3``) must be None.
+    ``dtype`` is the stored dtype (``float32``/``bfloat16``/``float16``); ``shards > 1`` writes
     ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``.
 
     deepseek_v3: ``q_lora_rank=0`` gives a plain q_proj; ``mtp_layers`` writes that many
@@ -187,7 +128,7 @@ def make_tiny(
         mtp_layers=mtp_layers,
         yarn_factor=yarn_factor,
     )
-    args = dict(_DEFAULTS[family])
+    args = dict(DEFAULTS[family])
     for key, value in given.items():
         if value is None:
             continue
@@ -202,7 +143,7 @@ def make_tiny(
     storage_dtype = parse_dtype(dtype)
 
     tokenizer, special_ids = build_tokenizer(args["vocab"])
-    config_json = _config_json(family, args, special_ids, tie_embeddings, dtype)
+    config_json = tiny_config_json(family, args, special_ids, tie_embeddings, dtype)
     config = parse_config(config_json, source=f"make_tiny({family!r})")
 
     out = Path(out_dir)
@@ -212,6 +153,7 @@ def make_tiny(
     tensors = _weights(config, seed, storage_dtype)
     if fp8:
         tensors = quantize_fp8(tensors, FP8_BLOCK)
+    tensors = {stored_name(config, k): t for k, t in tensors.items()}
     _write_weights(out, tensors, shards)
     _write_json(out / "config.json", config_json)
     _write_json(
@@ -225,124 +167,6 @@ def make_tiny(
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
     _write_json(out / "tokenizer_config.json", tokenizer_config(special_ids))
     return out
-
-
-def _config_json(
-    family: str, a: dict[str, Any], special: dict[str, int], tie: bool, dtype: str
-) -> dict[str, Any]:
-    n = a["layers"]
-    cfg: dict[str, Any] = {
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": special["<|endoftext|>"],
-        "dtype": dtype,
-        "eos_token_id": special["<|im_end|>"],
-        "head_dim": a.get("head_dim"),
-        "hidden_act": "silu",
-        "hidden_size": a["hidden"],
-        "initializer_range": 0.02,
-        "intermediate_size": a["intermediate"],
-        "max_position_embeddings": 8192,
-        "num_attention_heads": a["heads"],
-        "num_hidden_layers": n,
-        "num_key_value_heads": a.get("kv_heads"),
-        "pad_token_id": special["<|endoftext|>"],
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": tie,
-        "use_cache": True,
-        "vocab_size": a["vocab"],
-    }
-    if family == "qwen3":
-        cfg.update(
-            architectures=["Qwen3ForCausalLM"],
-            model_type="qwen3",
-            layer_types=["full_attention"] * n,
-            max_window_layers=n,
-            rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
-            sliding_window=None,
-            use_sliding_window=False,
-        )
-    elif family == "qwen3_moe":
-        cfg.update(
-            architectures=["Qwen3MoeForCausalLM"],
-            model_type="qwen3_moe",
-            decoder_sparse_step=a["decoder_sparse_step"],
-            mlp_only_layers=sorted(a["mlp_only_layers"]),
-            moe_intermediate_size=a["moe_intermediate"],
-            norm_topk_prob=a["norm_topk_prob"],
-            num_experts=a["experts"],
-            num_experts_per_tok=a["experts_per_tok"],
-            output_router_logits=False,
-            rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
-            router_aux_loss_coef=0.001,
-            sliding_window=None,
-            use_sliding_window=False,
-        )
-    elif family == "deepseek_v3":
-        del cfg["head_dim"]  # transformers derives it (the rope dims)
-        cfg.update(
-            num_key_value_heads=a["heads"],  # unused by MLA, but transformers divides by it
-            architectures=["DeepseekV3ForCausalLM"],
-            model_type="deepseek_v3",
-            first_k_dense_replace=a["first_k_dense"],
-            kv_lora_rank=a["kv_lora_rank"],
-            max_position_embeddings=4096,
-            moe_intermediate_size=a["moe_intermediate"],
-            n_group=a["n_group"],
-            n_routed_experts=a["experts"],
-            n_shared_experts=a["shared_experts"],
-            norm_topk_prob=a["norm_topk_prob"],
-            num_experts_per_tok=a["experts_per_tok"],
-            num_nextn_predict_layers=a["mtp_layers"],
-            q_lora_rank=a["q_lora_rank"] or None,
-            qk_nope_head_dim=a["qk_nope_head_dim"],
-            qk_rope_head_dim=a["qk_rope_head_dim"],
-            rope_interleave=True,
-            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-            routed_scaling_factor=2.5,
-            topk_group=a["topk_group"],
-            v_head_dim=a["v_head_dim"],
-        )
-        if a["yarn_factor"]:
-            cfg["rope_parameters"] = {
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "factor": float(a["yarn_factor"]),
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-                "original_max_position_embeddings": 64,
-                "rope_theta": 10000.0,
-                "rope_type": "yarn",
-            }
-        if a["fp8"]:
-            cfg["quantization_config"] = {
-                "activation_scheme": "dynamic",
-                "fmt": "e4m3",
-                "quant_method": "fp8",
-                "weight_block_size": list(FP8_BLOCK),
-            }
-    else:
-        interval = a["full_attention_interval"]
-        cfg.update(
-            # The text-only form; published Qwen3.5 checkpoints nest this under text_config of
-            # a multimodal "qwen3_5" config, which kern reads as well.
-            architectures=["Qwen3_5ForCausalLM"],
-            model_type="qwen3_5_text",
-            layer_types=[
-                "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)
-            ],
-            linear_conv_kernel_dim=a["conv_kernel"],
-            linear_key_head_dim=a["linear_key_head_dim"],
-            linear_num_key_heads=a["linear_key_heads"],
-            linear_num_value_heads=a["linear_value_heads"],
-            linear_value_head_dim=a["linear_value_head_dim"],
-            rope_parameters={
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 10000000.0,
-                "rope_type": "default",
-            },
-        )
-    return dict(sorted(cfg.items()))
 
 
 def _weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

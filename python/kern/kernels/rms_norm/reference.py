@@ -1,4 +1,4 @@
-"""Torch reference for RMSNorm and the gated RMSNorm of Qwen3.5's gated DeltaNet.
+"""Torch reference for RMSNorm and the gated RMSNorm of the delta-rule mixers (Qwen3.5, Kimi).
 
 Float32 throughout, one rounding to the output dtype at the end (except where the gated
 norm copies transformers' own cast, see `gated_rms_norm`). Every reduction runs along the
@@ -28,17 +28,26 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: float = 0.0) -> T
     return (y * (offset + weight.float())).to(x.dtype)
 
 
-def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Qwen3.5's `Qwen3_5RMSNormGated`: rms_norm(x) * weight * silu(z), per head.
+def gated_rms_norm(
+    x: Tensor, z: Tensor, weight: Tensor, eps: float, *, gate: str = "silu"
+) -> Tensor:
+    """rms_norm(x) * weight * act(z), per head: Qwen3.5's `Qwen3_5RMSNormGated` (``gate``
+    "silu") or Kimi's delta attention output norm (``gate`` "sigmoid").
 
-    x, z: [T, D] (D = linear_value_head_dim; flatten heads into T), weight: [D] (stored as is,
-    no offset). Copies transformers' casts exactly: the normalised x is rounded to x.dtype
-    before the weight multiplies it, silu(z) is taken in float32, the product is returned in
-    x.dtype. In float32 every cast is a no-op. Pure.
+    x, z: [T, D] (D = the head dim; flatten heads into T), weight: [D] (stored as is, no
+    offset). Copies transformers' casts exactly: Qwen3.5 rounds the normalised x to x.dtype
+    before the weight multiplies it; Kimi keeps everything in float32; both take the gate in
+    float32 and return the product in x.dtype. In float32 every cast is a no-op. Pure.
     """
+    if gate not in ("silu", "sigmoid"):
+        raise ValueError(f"gate must be 'silu' or 'sigmoid', got {gate!r}")
     x32 = x.float()
     variance = x32.pow(2).mean(-1, keepdim=True)
     normed = x32 * torch.rsqrt(variance + eps)
-    y = weight * normed.to(x.dtype)
-    y = y * pointwise(F.silu, z.float())
+    if gate == "silu":
+        y = weight * normed.to(x.dtype)
+        y = y * pointwise(F.silu, z.float())
+    else:
+        y = weight.float() * normed
+        y = y * pointwise(torch.sigmoid, z.float())
     return y.to(x.dtype)

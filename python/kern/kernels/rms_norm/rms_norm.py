@@ -17,7 +17,7 @@ RMS_NORM_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=autotune_configs(RMS_NORM_CONFIGS), key=["D", "GATED"])
+@triton.autotune(configs=autotune_configs(RMS_NORM_CONFIGS), key=["D", "GATED", "SIGMOID"])
 @triton.jit(do_not_specialize=["T"])
 def rms_norm_kernel(
     x,
@@ -32,6 +32,7 @@ def rms_norm_kernel(
     eps,
     offset,
     GATED: tl.constexpr,
+    SIGMOID: tl.constexpr,
     ROUND_MID: tl.constexpr,
     BD: tl.constexpr,
     BT: tl.constexpr,
@@ -47,7 +48,11 @@ def rms_norm_kernel(
     b_var = tl.sum(b_x * b_x, axis=1) / D
     b_n = b_x * tl.rsqrt(b_var + eps)[:, None]
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
-    if GATED:
+    if GATED and SIGMOID:
+        # Kimi's output norm: all float32, the weight then sigmoid(z).
+        b_z = tl.load(z + o_t[:, None] * stride_z + o_d[None, :], mask=m_td, other=0.0)
+        b_y = b_w[None, :] * b_n * tl.sigmoid(b_z.to(tl.float32))
+    elif GATED:
         # transformers rounds the normalised x to x.dtype, multiplies by the weight in the
         # promoted dtype (rounded again when that is x.dtype), then by silu(z) in float32.
         b_n = b_n.to(y.dtype.element_ty).to(tl.float32)
@@ -62,7 +67,9 @@ def rms_norm_kernel(
     tl.store(y + o_t[:, None] * stride_y + o_d[None, :], b_y.to(y.dtype.element_ty), mask=m_td)
 
 
-def _launch(x: Tensor, z: Tensor | None, weight: Tensor, eps: float, offset: float) -> Tensor:
+def _launch(
+    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, offset: float, sigmoid: bool = False
+) -> Tensor:
     check_device(x, weight)
     shape = x.shape
     num_cols = shape[-1]
@@ -91,6 +98,7 @@ def _launch(x: Tensor, z: Tensor | None, weight: Tensor, eps: float, offset: flo
         eps,
         offset,
         GATED=z is not None,
+        SIGMOID=sigmoid,
         ROUND_MID=round_mid,
         BD=triton.next_power_of_2(num_cols),
     )
@@ -102,6 +110,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: float = 0.0) -> T
     return _launch(x, None, weight, eps, offset)
 
 
-def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+def gated_rms_norm(
+    x: Tensor, z: Tensor, weight: Tensor, eps: float, *, gate: str = "silu"
+) -> Tensor:
     """See `reference.gated_rms_norm`. Pure: returns a new tensor."""
-    return _launch(x, z, weight, eps, 0.0)
+    if gate not in ("silu", "sigmoid"):
+        raise ValueError(f"gate must be 'silu' or 'sigmoid', got {gate!r}")
+    return _launch(x, z, weight, eps, 0.0, sigmoid=gate == "sigmoid")
