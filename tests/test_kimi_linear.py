@@ -1,0 +1,227 @@
+"""``kimi_linear`` (Kimi-Linear): folders in both config spellings and the released tensor
+names load and answer like transformers (the oracle cases are in test_oracle.py); what kern
+cannot run is refused by name; and the delta attention's states behave as Qwen3.5's do in the
+scheduler: slots grown from two, request-end and prompt-end snapshots hit at several lengths
+with answers identical to no cache, parking and waking a state bit for bit, preemption."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from support.scheduler import Harness, load, prompt
+
+from kern.checkpoint import load_checkpoint
+from kern.engine.generate import generate
+from kern.engine.layout import Layout
+from kern.model_config import (
+    ConfigFieldError,
+    UnsupportedModelError,
+    load_config,
+    parse_config,
+)
+from kern.tiny import make_tiny
+
+PT = 4
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_tiny("kimi_linear", tmp_path_factory.mktemp("kimi"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def chunk(folder) -> int:
+    """Bytes of one pool chunk of the tiny model at pages of PT tokens."""
+    return load(folder, pool_bytes=2**20, page_tokens=PT).cache.stats().chunk_bytes
+
+
+def test_a_folder_transformers_saved_answers_like_transformers(folder, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(folder / name, out / name)
+    saved = json.loads((out / "config.json").read_text())
+    # transformers writes its own spelling (sizes and 0-indexed layer lists at the top level)
+    # beside the released keys it was given; with those removed it must read the same.
+    assert saved["layer_types"][1] == "full_attention" and saved["linear_head_dim"] == 16
+    for key in ("linear_attn_config", "first_k_dense_replace", "mla_use_nope", "moe_layer_freq"):
+        del saved[key]
+    (out / "config.json").write_text(json.dumps(saved))
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.block_sparse_moe.experts.3.w1.weight" in names
+    assert "model.layers.0.self_attn.q_conv1d.weight" in names
+    assert load_config(out) == load_config(folder)
+    ckpt = load_checkpoint(out)
+    ids = prompt(5, 29)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    assert generate(ckpt, ids, 24, page_tokens=PT).ids == ref[0, len(ids) :].tolist()
+
+
+def test_the_state_and_the_latent_pages_of_the_released_dims():
+    """Kimi-Linear-48B's config: 20 KDA layers of 32 heads of 128 (a float32 128 x 128 state
+    a head, a conv over 3 x 4096 channels), 7 latent layers of 512 + 64."""
+    raw = {
+        "model_type": "kimi_linear",
+        "vocab_size": 163840,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 32,
+        "num_experts": 256,
+        "linear_attn_config": {
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+            "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+            "head_dim": 128,
+            "num_heads": 32,
+            "short_conv_kernel_size": 4,
+        },
+    }
+    c = parse_config(raw)
+    layout = Layout.of(c, torch.bfloat16, 1)
+    assert layout.page_class == "latent" and layout.page_bytes == 7 * 576 * 2
+    assert layout.delta_bytes == 20 * 32 * 128 * 128 * 4  # 40 MiB
+    assert layout.conv_bytes == 20 * 3 * 4096 * 3 * 2
+    assert c.is_sparse_layer(1) and not c.is_sparse_layer(0)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (
+            {"linear_attn_config": {"gate_lower_bound": -5.0}},
+            UnsupportedModelError,
+            "linear_attn_config.gate_lower_bound -5.0 is not supported",
+        ),
+        ({"mla_use_nope": False}, UnsupportedModelError, "mla_use_nope False is not supported"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            UnsupportedModelError,
+            "rope_scaling",
+        ),
+        (
+            {"moe_router_activation_func": "softmax"},
+            UnsupportedModelError,
+            "moe_router_activation_func 'softmax'",
+        ),
+        (
+            {"linear_attn_config": {"kda_layers": [1, 3], "full_attn_layers": [2]}},
+            ConfigFieldError,
+            "for layers [4]",
+        ),
+        ({"mlp_layer_types": ["dense"]}, ConfigFieldError, "mlp_layer_types must list"),
+        ({"num_expert_group": 3}, ConfigFieldError, "equal groups"),
+    ],
+)
+def test_config_refusals(folder, change, error, message):
+    raw = json.loads((folder / "config.json").read_text())
+    for key, value in change.items():
+        if key == "linear_attn_config":
+            raw[key] = {**raw[key], **value}
+            if "kda_layers" in value:
+                del raw[key]["full_attn_layers"]
+                raw[key].update(value)
+        else:
+            raw[key] = value
+    with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_config(raw)
+
+
+# --- states in the scheduler --------------------------------------------------------------
+
+
+def test_slot_growth_and_the_request_end_snapshot(folder, chunk):
+    h = Harness(load(folder, pool_bytes=40 * chunk, host_bytes=16 * chunk, page_tokens=PT))
+    assert h.cache.stats().slot_capacity == 2
+    reqs = [h.submit(prompt(50 + i, 10 + i), 8, ignore_eos=True) for i in range(5)]
+    h.step()
+    assert h.cache.stats().slot_capacity >= 5
+    h.run()
+    for r in reqs:
+        h.assert_identical(r)
+    first = reqs[0]
+    turn = first.prompt_ids + h.answer(first) + [9, 9, 9]
+    nxt = h.submit(turn, 6, ignore_eos=True)
+    h.run()
+    h.assert_identical(nxt)
+    assert nxt.cached_tokens == len(first.prompt_ids) + len(h.answer(first)) - 1
+    again = h.submit(turn, 6, ignore_eos=True)
+    h.run()
+    h.assert_identical(again)
+    assert again.cached_tokens == len(turn) - 1
+    h.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("step_tokens", [None, 7])
+def test_repeated_prompts_hit_their_snapshots_at_every_length(folder, chunk, step_tokens):
+    """Hits that end mid-page, on a page boundary, one past it, and around 64 (the chunk of
+    the chunked delta-rule kernel), with prefill in one chunk or in chunks of 7 tokens: every
+    answer is the no-cache answer."""
+    limits = {} if step_tokens is None else {"max_step_tokens": step_tokens}
+    engine = load(folder, pool_bytes=40 * chunk, host_bytes=16 * chunk, page_tokens=PT)
+    h = Harness(engine, **limits)
+    for n in (9, 12, 13, 63, 64, 65, 70):
+        p = prompt(300 + n, n)
+        first = h.submit(p, 4, ignore_eos=True)
+        h.run()
+        again = h.submit(p, 4, ignore_eos=True)
+        h.run()
+        h.assert_identical(first)
+        h.assert_identical(again)
+        assert first.cached_tokens == 0 and again.cached_tokens == n - 1
+    h.assert_idle_and_clean()
+
+
+def test_a_state_parks_and_wakes_bit_for_bit(folder, chunk):
+    engine = load(folder, pool_bytes=8 * chunk, host_bytes=16 * chunk, page_tokens=PT)
+    h = Harness(engine)
+    req = h.submit(prompt(77, 21), 6, ignore_eos=True)
+    h.run()
+    h.assert_identical(req)
+    mem, runner = h.sched.memory, engine.runner
+    tokens = req.prompt_ids + h.answer(req)[:-1]  # where the request-end snapshot sits
+    m = mem.match(tokens)
+    assert m.hit_len == len(tokens) and m.state_slot is not None
+    before = (runner.delta_states[m.state_slot].clone(), runner.conv_states[m.state_slot].clone())
+    mem.unlock(m.node)
+    while mem.make_room(mem.pages_free + 1):  # park everything the tree holds
+        pass
+    assert h.cache.stats().parked_states >= 1
+    m = mem.match(tokens)
+    assert m.state_slot is None
+    assert mem.wake(m.node)
+    woken = mem.match(tokens)
+    mem.unlock(m.node)
+    assert woken.state_slot is not None
+    assert torch.equal(runner.delta_states[woken.state_slot], before[0])
+    assert torch.equal(runner.conv_states[woken.state_slot], before[1])
+    mem.unlock(woken.node)
+    nxt = h.submit(tokens + [h.answer(req)[-1], 5, 6], 5, ignore_eos=True)
+    h.run()
+    h.assert_identical(nxt)
+    assert nxt.cached_tokens == len(tokens)
+    h.assert_idle_and_clean()
+
+
+def test_preemption_parks_states(folder, chunk):
+    # Four sequences of 32 tokens need 8 pages and a slot each by their end: more than 3
+    # chunks hold, so some are preempted, their states parked, and resumed.
+    engine = load(folder, pool_bytes=3 * chunk, host_bytes=16 * chunk, page_tokens=PT)
+    h = Harness(engine)
+    reqs = [h.submit(prompt(60 + i, 12), 20, ignore_eos=True) for i in range(4)]
+    h.run()
+    for r in reqs:
+        h.assert_identical(r)
+    m = h.sched.metrics
+    assert m.value("kern_num_preemptions_total") > 0 and m.value("kern_parked_total") > 0
+    h.assert_idle_and_clean()
