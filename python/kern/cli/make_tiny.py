@@ -24,34 +24,55 @@ _SIZE_FLAGS = {
     "--head-dim": ("head_dim", "dims per attention head"),
     "--intermediate": ("intermediate", "dense MLP width"),
     "--vocab": ("vocab", "vocabulary size (tokenizer and embedding)"),
-    "--experts": ("experts", "qwen3_moe, deepseek_v3: routed experts per MoE layer"),
+    "--experts": ("experts", "qwen3_moe, deepseek_v3, kimi_linear: routed experts per MoE layer"),
     "--experts-per-tok": (
         "experts_per_tok",
-        "qwen3_moe, deepseek_v3: experts each token is routed to",
+        "qwen3_moe, deepseek_v3, kimi_linear: experts each token is routed to",
     ),
-    "--moe-intermediate": ("moe_intermediate", "qwen3_moe, deepseek_v3: expert MLP width"),
+    "--moe-intermediate": (
+        "moe_intermediate",
+        "qwen3_moe, deepseek_v3, kimi_linear: expert MLP width",
+    ),
     "--linear-key-heads": ("linear_key_heads", "qwen3_5: DeltaNet key heads"),
-    "--linear-value-heads": ("linear_value_heads", "qwen3_5: DeltaNet value heads"),
+    "--linear-value-heads": (
+        "linear_value_heads",
+        "qwen3_5: DeltaNet value heads; kimi_linear: KDA heads",
+    ),
     "--linear-key-head-dim": ("linear_key_head_dim", "qwen3_5: DeltaNet key head dims"),
-    "--linear-value-head-dim": ("linear_value_head_dim", "qwen3_5: DeltaNet value head dims"),
-    "--conv-kernel": ("conv_kernel", "qwen3_5: causal conv kernel size"),
+    "--linear-value-head-dim": (
+        "linear_value_head_dim",
+        "qwen3_5: DeltaNet value head dims; kimi_linear: KDA head dims",
+    ),
+    "--conv-kernel": ("conv_kernel", "qwen3_5, kimi_linear: causal conv kernel size"),
     "--full-attention-interval": (
         "full_attention_interval",
-        "qwen3_5: every Nth layer is full attention, the others linear",
+        "qwen3_5, kimi_linear: every Nth layer is full attention, the others linear",
     ),
-    "--kv-lora-rank": ("kv_lora_rank", "deepseek_v3: latent dims cached per token"),
-    "--qk-nope-head-dim": ("qk_nope_head_dim", "deepseek_v3: query/key dims without RoPE"),
-    "--qk-rope-head-dim": ("qk_rope_head_dim", "deepseek_v3: query/key dims RoPE turns"),
-    "--v-head-dim": ("v_head_dim", "deepseek_v3: value dims per head"),
-    "--n-group": ("n_group", "deepseek_v3: expert groups"),
-    "--topk-group": ("topk_group", "deepseek_v3: groups a token's experts come from"),
+    "--kv-lora-rank": ("kv_lora_rank", "deepseek_v3, kimi_linear: latent dims cached per token"),
+    "--qk-nope-head-dim": (
+        "qk_nope_head_dim",
+        "deepseek_v3, kimi_linear: query/key dims without RoPE",
+    ),
+    "--qk-rope-head-dim": (
+        "qk_rope_head_dim",
+        "deepseek_v3: query/key dims RoPE turns (kimi_linear: unrotated)",
+    ),
+    "--v-head-dim": ("v_head_dim", "deepseek_v3, kimi_linear: value dims per head"),
+    "--n-group": ("n_group", "deepseek_v3, kimi_linear: expert groups"),
+    "--topk-group": ("topk_group", "deepseek_v3, kimi_linear: groups a token's experts come from"),
 }
 
 # Sizes that may be 0.
 _COUNT_FLAGS = {
-    "--q-lora-rank": ("q_lora_rank", "deepseek_v3: query low rank (0: a plain q_proj)"),
-    "--shared-experts": ("shared_experts", "deepseek_v3: shared experts"),
-    "--first-k-dense": ("first_k_dense", "deepseek_v3: leading layers with a dense MLP"),
+    "--q-lora-rank": (
+        "q_lora_rank",
+        "deepseek_v3, kimi_linear: query low rank (0: a plain q_proj)",
+    ),
+    "--shared-experts": ("shared_experts", "deepseek_v3, kimi_linear: shared experts"),
+    "--first-k-dense": (
+        "first_k_dense",
+        "deepseek_v3, kimi_linear: leading layers with a dense MLP",
+    ),
     "--mtp-layers": ("mtp_layers", "deepseek_v3: multi-token-prediction layers"),
 }
 

@@ -25,6 +25,8 @@ Design notes
   same latents: the latent is one vector a token, so splitting heads would save no cache),
   and only the routed experts are split as above. No partial sum is left anywhere but in
   the experts' disjoint slots, so every layer gives exactly the bits one rank gives.
+  ``kimi_linear`` likewise: its delta attention is replicated too, every rank keeping every
+  sequence's whole state in its own slots (the same slot ids on every rank).
 * Partial sums are joined by an all-gather and a sum in rank order, ``((p0 + p1) + p2) + ...``,
   not by an all-reduce: an all-reduce's order of additions is the library's choice and may
   depend on the message size (so on the batch) beyond 2 ranks; a fixed order keeps a row's
@@ -66,10 +68,13 @@ __all__ = [
 ]
 
 # What each parallel mode splits, and the families it is implemented for.
-PARALLEL = {"tp": ("qwen3", "qwen3_moe", "qwen3_5"), "ep": ("qwen3_moe", "deepseek_v3")}
+PARALLEL = {
+    "tp": ("qwen3", "qwen3_moe", "qwen3_5"),
+    "ep": ("qwen3_moe", "deepseek_v3", "kimi_linear"),
+}
 
 # Families whose ep shards split only the routed experts (everything else replicated).
-_EXPERTS_ONLY = ("deepseek_v3",)
+_EXPERTS_ONLY = ("deepseek_v3", "kimi_linear")
 
 
 class ShardError(ValueError):
