@@ -225,3 +225,15 @@ def test_preemption_parks_states(folder, chunk):
     m = h.sched.metrics
     assert m.value("kern_num_preemptions_total") > 0 and m.value("kern_parked_total") > 0
     h.assert_idle_and_clean()
+
+
+def test_the_benchmark_runs_and_checks_its_answers(capsys):
+    """``python -m kern.bench.kimi`` (docs/performance.md): kern's greedy answer is checked
+    against transformers' before the timings are printed."""
+    pytest.importorskip("transformers")
+    from kern.bench.kimi import main
+
+    assert main(["--prompt", "16", "--steps", "4", "--repeat", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| state a sequence, total | 43,417,600 (41.4 MiB) | |" in out
+    assert "| Kimi-Linear-48B | 43,417,600 |" in out
