@@ -1,8 +1,8 @@
 """``kimi_linear`` (Kimi-Linear): folders in both config spellings and the released tensor
 names load and answer like transformers (the oracle cases are in test_oracle.py); what kern
-cannot run is refused by name; and the delta attention's states behave as Qwen3.5's do in the
-scheduler: slots grown from two, request-end and prompt-end snapshots hit at several lengths
-with answers identical to no cache, parking and waking a state bit for bit, preemption."""
+cannot run is refused by name; a state parks and wakes bit for bit, and preemption parks
+states (slot growth and the snapshots' hits are test_scheduler.py's, for both stateful
+families)."""
 
 from __future__ import annotations
 
@@ -71,23 +71,9 @@ def test_a_folder_transformers_saved_answers_like_transformers(folder, tmp_path)
 def test_the_state_and_the_latent_pages_of_the_released_dims():
     """Kimi-Linear-48B's config: 20 KDA layers of 32 heads of 128 (a float32 128 x 128 state
     a head, a conv over 3 x 4096 channels), 7 latent layers of 512 + 64."""
-    raw = {
-        "model_type": "kimi_linear",
-        "vocab_size": 163840,
-        "hidden_size": 2304,
-        "intermediate_size": 9216,
-        "num_hidden_layers": 27,
-        "num_attention_heads": 32,
-        "num_experts": 256,
-        "linear_attn_config": {
-            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
-            "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
-            "head_dim": 128,
-            "num_heads": 32,
-            "short_conv_kernel_size": 4,
-        },
-    }
-    c = parse_config(raw)
+    from kern.bench.kimi import RELEASED
+
+    c = parse_config(RELEASED)
     layout = Layout.of(c, torch.bfloat16, 1)
     assert layout.page_class == "latent" and layout.page_bytes == 7 * 576 * 2
     assert layout.delta_bytes == 20 * 32 * 128 * 128 * 4  # 40 MiB
@@ -138,48 +124,6 @@ def test_config_refusals(folder, change, error, message):
 
 
 # --- states in the scheduler --------------------------------------------------------------
-
-
-def test_slot_growth_and_the_request_end_snapshot(folder, chunk):
-    h = Harness(load(folder, pool_bytes=40 * chunk, host_bytes=16 * chunk, page_tokens=PT))
-    assert h.cache.stats().slot_capacity == 2
-    reqs = [h.submit(prompt(50 + i, 10 + i), 8, ignore_eos=True) for i in range(5)]
-    h.step()
-    assert h.cache.stats().slot_capacity >= 5
-    h.run()
-    for r in reqs:
-        h.assert_identical(r)
-    first = reqs[0]
-    turn = first.prompt_ids + h.answer(first) + [9, 9, 9]
-    nxt = h.submit(turn, 6, ignore_eos=True)
-    h.run()
-    h.assert_identical(nxt)
-    assert nxt.cached_tokens == len(first.prompt_ids) + len(h.answer(first)) - 1
-    again = h.submit(turn, 6, ignore_eos=True)
-    h.run()
-    h.assert_identical(again)
-    assert again.cached_tokens == len(turn) - 1
-    h.assert_idle_and_clean()
-
-
-@pytest.mark.parametrize("step_tokens", [None, 7])
-def test_repeated_prompts_hit_their_snapshots_at_every_length(folder, chunk, step_tokens):
-    """Hits that end mid-page, on a page boundary, one past it, and around 64 (the chunk of
-    the chunked delta-rule kernel), with prefill in one chunk or in chunks of 7 tokens: every
-    answer is the no-cache answer."""
-    limits = {} if step_tokens is None else {"max_step_tokens": step_tokens}
-    engine = load(folder, pool_bytes=40 * chunk, host_bytes=16 * chunk, page_tokens=PT)
-    h = Harness(engine, **limits)
-    for n in (9, 12, 13, 63, 64, 65, 70):
-        p = prompt(300 + n, n)
-        first = h.submit(p, 4, ignore_eos=True)
-        h.run()
-        again = h.submit(p, 4, ignore_eos=True)
-        h.run()
-        h.assert_identical(first)
-        h.assert_identical(again)
-        assert first.cached_tokens == 0 and again.cached_tokens == n - 1
-    h.assert_idle_and_clean()
 
 
 def test_a_state_parks_and_wakes_bit_for_bit(folder, chunk):

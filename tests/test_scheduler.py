@@ -36,10 +36,13 @@ def qwen3(tiny_dir):
     )
 
 
-@pytest.fixture(scope="module")
-def qwen3_5(tiny_dir):
-    # Chunks of 3 pages or 1 slot: 40 chunks, two of them slots at the start.
-    return load(tiny_dir("qwen3_5"), pool_bytes=40 * 12288, host_bytes=64 * 12288, page_tokens=PT)
+@pytest.fixture(scope="module", params=["qwen3_5", "kimi_linear"])
+def stateful(request, tiny_dir):
+    """A family with recurrent states: 40 chunks (two of them slots at the start) and a host
+    tier of 64."""
+    folder = tiny_dir(request.param)
+    chunk = load(folder, pool_bytes=2**20, page_tokens=PT).cache.stats().chunk_bytes
+    return load(folder, pool_bytes=40 * chunk, host_bytes=64 * chunk, page_tokens=PT)
 
 
 def fresh(engine, **limits) -> Harness:
@@ -161,8 +164,8 @@ def test_hang_up_while_queued_and_while_running(qwen3):
     h.assert_idle_and_clean()
 
 
-def test_slot_growth_from_two_and_the_request_end_snapshot(qwen3_5):
-    h = fresh(qwen3_5)
+def test_slot_growth_from_two_and_the_request_end_snapshot(stateful):
+    h = fresh(stateful)
     assert h.cache.stats().slot_capacity == 2
     reqs = [h.submit(prompt(50 + i, 10 + i), 8, ignore_eos=True) for i in range(5)]
     h.step()
@@ -186,10 +189,15 @@ def test_slot_growth_from_two_and_the_request_end_snapshot(qwen3_5):
     h.assert_idle_and_clean()
 
 
-def test_a_repeated_prompt_resumes_from_the_prompt_end_snapshot(qwen3_5):
-    h = fresh(qwen3_5)
-    for n in (9, 12, 13):  # ending mid-page, on a page boundary, one past it
-        p = prompt(70 + n, n)
+@pytest.mark.parametrize("step_tokens", [None, 7])
+def test_a_repeated_prompt_resumes_from_the_prompt_end_snapshot(stateful, step_tokens):
+    """Hits that end mid-page, on a page boundary, one past it, and around 64 (the chunk of
+    the chunked delta-rule kernels), with prefill in one chunk or in chunks of 7 tokens."""
+    limits = {} if step_tokens is None else {"max_step_tokens": step_tokens}
+    drop_cache(stateful.cache)
+    h = Harness(stateful, **limits)
+    for n in (9, 12, 13, 63, 64, 65, 70):
+        p = prompt(70 + n + 1000 * bool(step_tokens), n)  # the host tier outlives drop_cache
         first = h.submit(p, 5, ignore_eos=True)
         h.run()
         again = h.submit(p, 5, ignore_eos=True)

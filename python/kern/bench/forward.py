@@ -38,7 +38,11 @@ MODEL_100M = dict(
 )
 
 
-def best(fn: Callable[[], None], repeat: int) -> float:
+def best(fn: Callable[[], object], repeat: int, warmup: bool = False) -> float:
+    """The fastest of ``repeat`` timed calls of ``fn`` (seconds), after one untimed call
+    with ``warmup``."""
+    if warmup:
+        fn()
     times = []
     for _ in range(repeat):
         t = time.perf_counter()

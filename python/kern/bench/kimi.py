@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kern.bench.forward import best
 from kern.engine.layout import Layout
 from kern.model_config import load_config, parse_config
 
@@ -53,16 +52,6 @@ RELEASED = {
         "short_conv_kernel_size": 4,
     },
 }
-
-
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def bytes_rows() -> list[str]:
@@ -93,7 +82,7 @@ def bytes_rows() -> list[str]:
 def copy_time(state_bytes: int, repeat: int) -> float:
     rows = torch.zeros(3, state_bytes, dtype=torch.uint8)
     src, dst = torch.tensor([0]), torch.tensor([2])
-    return _best(lambda: rows.index_copy_(0, dst, rows.index_select(0, src)), repeat)
+    return best(lambda: rows.index_copy_(0, dst, rows.index_select(0, src)), repeat, warmup=True)
 
 
 def speed_rows(model: Path, prompt_len: int, steps: int, repeat: int) -> list[str]:
@@ -122,8 +111,14 @@ def speed_rows(model: Path, prompt_len: int, steps: int, repeat: int) -> list[st
     if ours(steps) != theirs(steps):
         raise SystemExit("kern's greedy answer differs from transformers'")
     rows = ["| | kern | transformers | transformers / kern |", "| --- | ---: | ---: | ---: |"]
-    pre = {"kern": _best(lambda: ours(1), repeat), "hf": _best(lambda: theirs(1), repeat)}
-    full = {"kern": _best(lambda: ours(steps), repeat), "hf": _best(lambda: theirs(steps), repeat)}
+    pre = {
+        "kern": best(lambda: ours(1), repeat, warmup=True),
+        "hf": best(lambda: theirs(1), repeat, warmup=True),
+    }
+    full = {
+        "kern": best(lambda: ours(steps), repeat, warmup=True),
+        "hf": best(lambda: theirs(steps), repeat, warmup=True),
+    }
     rows.append(
         f"| prefill {prompt_len} tokens + 1 (ms) | {pre['kern'] * 1e3:.1f} | "
         f"{pre['hf'] * 1e3:.1f} | {pre['hf'] / pre['kern']:.2f}x |"

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
-from collections.abc import Callable
 
 import torch
 
 from kern.backend import CpuOps
 from kern.batch import build_step
+from kern.bench.forward import best
 from kern.chunk import SeqChunk
 from kern.engine.layout import Layout
 from kern.model_config import parse_config
@@ -87,16 +86,6 @@ def bytes_table() -> list[str]:
     return rows
 
 
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def decode_times(shape: tuple[int, ...], batch: int, context: int, repeat: int) -> dict[str, float]:
     h, rank, rope, nope, v = shape
     gen = torch.Generator().manual_seed(0)
@@ -120,7 +109,10 @@ def decode_times(shape: tuple[int, ...], batch: int, context: int, repeat: int) 
         return torch.einsum("bht,bhtv->bhv", p, kv[..., nope:])
 
     torch.testing.assert_close(absorbed(), expanded(), atol=1e-3, rtol=1e-3)
-    times = {"absorbed": _best(absorbed, repeat), "expanded": _best(expanded, repeat)}
+    times = {
+        "absorbed": best(absorbed, repeat, warmup=True),
+        "expanded": best(expanded, repeat, warmup=True),
+    }
     # kern's CPU backend on the same step: latent pages of 16 tokens, one layer.
     ops = CpuOps()
     page = 16
@@ -145,7 +137,7 @@ def decode_times(shape: tuple[int, ...], batch: int, context: int, repeat: int) 
         return ops.head_linear(o, uv)
 
     torch.testing.assert_close(kern_cpu(), expanded(), atol=1e-3, rtol=1e-3)
-    times["kern cpu"] = _best(kern_cpu, repeat)
+    times["kern cpu"] = best(kern_cpu, repeat, warmup=True)
     return times
 
 
