@@ -212,6 +212,8 @@ class CudaOps:
         )
 
     def gated_delta_rule(self, step: Step, q, k, v, g, beta, states, scale, snapshots=None):
+        """g: [T, Hv] per head (Qwen3.5) or [T, Hv, Dk] per key channel (Kimi-Linear); the
+        kernels take either, and the per-row path below indexes it by row alike."""
         p = step.recurrent
         rep = v.shape[1] // k.shape[1]
         # The kernels take value heads for q and k too (see their README), contiguous.
