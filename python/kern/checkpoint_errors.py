@@ -4,7 +4,13 @@ them; they live here so that every module that reads a checkpoint can raise them
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConfigFieldError", "MissingFileError", "UnsupportedModelError"]
+__all__ = [
+    "CheckpointError",
+    "ConfigFieldError",
+    "MissingFileError",
+    "UnsupportedModelError",
+    "UnsupportedTokenizerError",
+]
 
 
 class CheckpointError(ValueError):
@@ -24,3 +30,8 @@ class UnsupportedModelError(CheckpointError):
 
 class ConfigFieldError(CheckpointError):
     """A field of ``config.json`` is missing, of the wrong type, or inconsistent."""
+
+
+class UnsupportedTokenizerError(CheckpointError):
+    """The tokenizer's files are there, but only code kern does not run (a checkpoint's own
+    ``tokenization_*.py``, loaded with ``trust_remote_code``) could read them."""

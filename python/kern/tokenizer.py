@@ -2,6 +2,8 @@
 
 Design notes
 ------------
+* A folder without ``tokenizer.json`` but with Kimi's ``tiktoken.model`` is converted to the
+  same kind of backend in memory (:mod:`kern.tiktoken_file`); no remote code runs, ever.
 * Encoding never adds special tokens by default. The Qwen families have no BOS and no
   post-processor, and a chat prompt already carries every special token it needs as text
   (``<|im_start|>`` is matched as an added token wherever it appears), so adding them again
@@ -43,7 +45,8 @@ from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kern.model_config import CheckpointError, MissingFileError
+from kern.model_config import CheckpointError
+from kern.tiktoken_file import TIKTOKEN_FILE, missing_tokenizer_error, tiktoken_backend
 
 __all__ = ["ChatTemplateError", "TextStream", "Tokenizer", "compile_chat_template"]
 
@@ -110,21 +113,13 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, *, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
-        """Load a folder's ``tokenizer.json`` (required) and ``tokenizer_config.json`` (optional).
+        """Load a folder's ``tokenizer.json`` (or else Kimi's ``tiktoken.model``, see
+        :mod:`kern.tiktoken_file`) and ``tokenizer_config.json`` (optional with the former).
 
-        Raises :class:`~kern.model_config.MissingFileError` without ``tokenizer.json`` and
+        Raises :class:`~kern.model_config.MissingFileError` without either tokenizer file and
         :class:`~kern.model_config.CheckpointError` for a file that does not parse.
         """
         path = Path(path)
-        file = path / "tokenizer.json"
-        if not file.is_file():
-            raise MissingFileError(
-                f"{file}: no such file (kern reads tokenizers from tokenizer.json)"
-            )
-        try:
-            backend = tokenizers.Tokenizer.from_file(str(file))
-        except Exception as e:  # the Rust side raises a bare Exception
-            raise CheckpointError(f"{file}: not a valid tokenizers file: {e}") from e
         config: dict[str, Any] = {}
         config_file = path / "tokenizer_config.json"
         if config_file.is_file():
@@ -134,6 +129,16 @@ class Tokenizer:
                 raise CheckpointError(f"{config_file}: not valid JSON: {e}") from e
             if not isinstance(config, dict):
                 raise CheckpointError(f"{config_file}: expected a JSON object")
+        file = path / "tokenizer.json"
+        if file.is_file():
+            try:
+                backend = tokenizers.Tokenizer.from_file(str(file))
+            except Exception as e:  # the Rust side raises a bare Exception
+                raise CheckpointError(f"{file}: not a valid tokenizers file: {e}") from e
+        elif (path / TIKTOKEN_FILE).is_file():
+            backend = tiktoken_backend(path, config)
+        else:
+            raise missing_tokenizer_error(path, config)
         special: dict[str, str] = {}
         for key in _SPECIAL_KEYS:
             value = config.get(key)

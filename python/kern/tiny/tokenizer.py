@@ -8,15 +8,25 @@ Design notes
 * The BPE merges are learned here, in plain Python with an explicit tie-break (count, then
   the pair's text), rather than with the ``tokenizers`` trainer, whose tie order we do not
   control.
+* :func:`write_tiktoken_tokenizer` writes a Kimi-style folder instead (``tiktoken.model``, no
+  ``tokenizer.json``): byte-level merges learned the same way on bytes, split by Kimi's
+  pattern, Kimi's special tokens at Kimi's offsets after the ranks, and a chat template in
+  Kimi K2's format. ``auto_map`` names Kimi's remote code as real folders do; kern never
+  runs it (``kern.tiktoken_file`` reads the folder).
 """
 
 from __future__ import annotations
 
+import json
 import unicodedata
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from kern.tiktoken_file import KIMI_PATTERN, KIMI_TOKENIZER_CLASS, NUM_SPECIAL_IDS, format_ranks
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -204,8 +214,11 @@ def build_tokenizer(vocab_size: int) -> tuple[Tokenizer, dict[str, int]]:
     return tok, special_ids
 
 
-def _merge(word: tuple[str, ...], pair: tuple[str, str], merged: str) -> tuple[str, ...]:
-    out = []
+_Sym = TypeVar("_Sym", str, bytes)
+
+
+def _merge(word: tuple[_Sym, ...], pair: tuple[_Sym, _Sym], merged: _Sym) -> tuple[_Sym, ...]:
+    out: list[_Sym] = []
     i = 0
     while i < len(word):
         if i + 1 < len(word) and word[i] == pair[0] and word[i + 1] == pair[1]:
@@ -244,3 +257,181 @@ def tokenizer_config(special_ids: dict[str, int]) -> dict[str, Any]:
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
+
+
+# Kimi's named special tokens by their offset after the ranks (Kimi K2's and Kimi-Linear's
+# tokenizer_config.json); the offsets between are reserved ids.
+KIMI_SPECIAL_TOKENS = {
+    "[BOS]": 0,
+    "[EOS]": 1,
+    "<|im_end|>": 2,
+    "<|im_user|>": 3,
+    "<|im_assistant|>": 4,
+    "<|start_header_id|>": 6,
+    "<|end_header_id|>": 7,
+    "[EOT]": 9,
+    "<|im_system|>": 10,
+    "<|tool_calls_section_begin|>": 11,
+    "<|tool_calls_section_end|>": 12,
+    "<|tool_call_begin|>": 13,
+    "<|tool_call_argument_begin|>": 14,
+    "<|tool_call_end|>": 15,
+    "<|im_middle|>": 17,
+    "[UNK]": 254,
+    "[PAD]": 255,
+}
+
+# Kimi K2's chat format, written for kern: tools declared as compact JSON in a tool_declare
+# system turn (keys sorted, as Kimi's tokenizer sorts them before rendering), a default system
+# turn, tool calls as <|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments} in a
+# section after the assistant's text, tool results in a "tool" system turn.
+KIMI_CHAT_TEMPLATE = """\
+{%- macro text_of(message) %}
+    {%- if message['content'] is string %}
+        {{- message['content'] }}
+    {%- elif message['content'] is not defined or message['content'] is none %}
+    {%- else %}
+        {%- for part in message['content'] %}
+            {%- if part['type'] != 'text' %}
+                {{- raise_exception('Only text content parts are supported') }}
+            {%- endif %}
+            {{- part['text'] }}
+        {%- endfor %}
+    {%- endif %}
+{%- endmacro %}
+{%- if tools %}
+    {{- '<|im_system|>tool_declare<|im_middle|>' }}
+    {{- tools | tojson(separators=(',', ':'), sort_keys=true) }}
+    {{- '<|im_end|>' }}
+{%- endif %}
+{%- if not messages or messages[0]['role'] != 'system' %}
+    {{- '<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.' }}
+    {{- '<|im_end|>' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set role = message['role'] %}
+    {%- if role == 'user' %}
+        {{- '<|im_user|>user<|im_middle|>' ~ text_of(message) }}
+    {%- elif role == 'system' %}
+        {{- '<|im_system|>system<|im_middle|>' ~ text_of(message) }}
+    {%- elif role == 'tool' %}
+        {%- if message['tool_call_id'] is not string %}
+            {{- raise_exception('A tool message needs a tool_call_id') }}
+        {%- endif %}
+        {{- '<|im_system|>tool<|im_middle|>## Return of ' ~ message['tool_call_id'] ~ '\\n' }}
+        {{- text_of(message) }}
+    {%- elif role == 'assistant' %}
+        {{- '<|im_assistant|>assistant<|im_middle|>' ~ text_of(message) }}
+        {%- if message['tool_calls'] %}
+            {{- '<|tool_calls_section_begin|>' }}
+            {%- for call in message['tool_calls'] %}
+                {%- set fn = call['function'] if call['function'] is defined else call %}
+                {%- set id = call['id'] if call['id'] is string
+                    else 'functions.' ~ fn['name'] ~ ':' ~ loop.index0 %}
+                {{- '<|tool_call_begin|>' ~ id ~ '<|tool_call_argument_begin|>' }}
+                {%- if fn['arguments'] is string %}
+                    {{- fn['arguments'] }}
+                {%- else %}
+                    {{- fn['arguments'] | tojson }}
+                {%- endif %}
+                {{- '<|tool_call_end|>' }}
+            {%- endfor %}
+            {{- '<|tool_calls_section_end|>' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('Unknown role: ' ~ role) }}
+    {%- endif %}
+    {{- '<|im_end|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_assistant|>assistant<|im_middle|>' }}
+{%- endif %}
+"""
+
+# Text in Kimi's chat format, beside the shared corpus, so the markup's words get merges.
+_KIMI_CORPUS = """\
+system tool_declare user assistant tool functions.get_weather:0 functions.search:1
+## Return of functions.get_weather:0
+{"city": "Beijing", "unit": "celsius"} {"temperature": 21, "condition": "sunny"}
+You are Kimi, an AI assistant created by Moonshot AI. 北京今天天气晴朗。我们明天去公园。
+"""
+
+
+@dataclass(frozen=True)
+class KimiTokenizerFiles:
+    """What :func:`write_tiktoken_tokenizer` wrote, for the folder's ``config.json``."""
+
+    num_ranks: int  # tokens of tiktoken.model; the special tokens' ids follow
+    vocab_size: int  # num_ranks + 256 special ids: config.json's vocab_size
+    bos_token_id: int  # [BOS]
+    eos_token_id: int  # <|im_end|>, which Kimi-Linear's config.json names (eos_token is [EOS])
+    special_ids: dict[str, int]  # the named special tokens (KIMI_SPECIAL_TOKENS) -> id
+
+
+def write_tiktoken_tokenizer(out_dir: Path, *, merges: int = 400) -> KimiTokenizerFiles:
+    """Write a Kimi-style tokenizer into ``out_dir``: ``tiktoken.model`` (the 256 bytes, then
+    up to ``merges`` merged tokens learned from the built-in corpus) and
+    ``tokenizer_config.json`` (special tokens, chat template). Deterministic."""
+    tokens = learn_byte_merges(_CORPUS + _KIMI_CORPUS, merges)
+    n = len(tokens)
+    special_ids = {s: n + offset for s, offset in KIMI_SPECIAL_TOKENS.items()}
+    added = {
+        str(i): {
+            "content": s,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for s, i in special_ids.items()
+    }
+    config = {
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [s for s in KIMI_SPECIAL_TOKENS if s.startswith("<|")],
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "bos_token": "[BOS]",
+        "chat_template": KIMI_CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "[EOS]",
+        "model_max_length": 8192,
+        "pad_token": "[PAD]",
+        "tokenizer_class": KIMI_TOKENIZER_CLASS,
+        "unk_token": "[UNK]",
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "tiktoken.model").write_text(format_ranks(tokens), encoding="ascii")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    return KimiTokenizerFiles(
+        num_ranks=n,
+        vocab_size=n + NUM_SPECIAL_IDS,
+        bos_token_id=special_ids["[BOS]"],
+        eos_token_id=special_ids["<|im_end|>"],
+        special_ids=special_ids,
+    )
+
+
+def learn_byte_merges(corpus: str, merges: int) -> list[bytes]:
+    """The 256 single bytes, then the tokens of up to ``merges`` BPE merges learned on
+    ``corpus`` split by Kimi's pattern (a merge that rebuilds a known token adds none)."""
+    split = pre_tokenizers.Split(Regex(KIMI_PATTERN), behavior="isolated", invert=False)
+    pieces = Counter(p.encode("utf-8") for p, _ in split.pre_tokenize_str(corpus))
+    words = Counter({tuple(p[i : i + 1] for i in range(len(p))): c for p, c in pieces.items()})
+    tokens = [bytes([b]) for b in range(256)]
+    known = set(tokens)
+    for _ in range(merges):
+        pairs: Counter[tuple[bytes, bytes]] = Counter()
+        for word, count in words.items():
+            for pair in zip(word, word[1:], strict=False):
+                pairs[pair] += count
+        if not pairs:
+            break  # every word is one token
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merged = best[0] + best[1]
+        if merged not in known:
+            known.add(merged)
+            tokens.append(merged)
+        words = Counter({_merge(word, best, merged): c for word, c in words.items()})
+    return tokens
