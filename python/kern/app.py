@@ -161,6 +161,7 @@ class App:
             max_model_len=max_len,
             sampling_defaults=sampling_defaults(target.checkpoint),
             reasoning=target.reasoning_parser is not None,
+            tool_parser=target.tool_parser,
             log_prompts=self.settings.log_prompts,
             created=self.created,
             allow_unknown_fields=self.settings.allow_unknown_fields,

@@ -14,6 +14,7 @@ ranks = 1                          # processes (tensor / expert parallel), see d
 parallel = "tp"                    # with ranks > 1: "tp" (heads and MLP columns) or "ep" (experts)
 threads = 2                        # torch intra-op threads (CPU results depend on it)
 reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_content
+tool_parser = "qwen3"              # chat answers' tool calls: "qwen3" (default) or "kimi_k2"
 ```
 
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
@@ -38,6 +39,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_THREADS",
     "DRAFTERS",
+    "TOOL_PARSERS",
     "KernConfig",
     "Target",
     "TomlConfigError",
@@ -79,6 +81,7 @@ _TARGET_KEYS = (
     "parallel",
     "threads",
     "reasoning_parser",
+    "tool_parser",
 )
 # draft values that name no checkpoint: n-gram lookup, the target's own MTP layer (a folder
 # of either name is written "./mtp").
@@ -88,6 +91,9 @@ PARALLEL_MODES = ("tp", "ep")
 # reasoning_parser values (kern.server.splitter.REASONING_PARSERS; kept here so parsing imports
 # nothing).
 REASONING_PARSERS = ("qwen3",)
+# tool_parser values, the first the default (kern.server.splitter.TOOL_PARSERS): the convention
+# chat answers' tool calls are written in.
+TOOL_PARSERS = ("qwen3", "kimi_k2")
 
 
 class TomlConfigError(ValueError):
@@ -121,6 +127,9 @@ class Target:
     # Split <think>...</think> into reasoning_content when serving chat (kern.server.splitter);
     # None: off.
     reasoning_parser: str | None = None
+    # The convention chat answers write tool calls in (kern.server.splitter), one of
+    # TOOL_PARSERS: Qwen3's <tool_call> blocks, or Kimi K2's tool-calls sections.
+    tool_parser: str = TOOL_PARSERS[0]
     # The rows this command decodes at (``--rows``, ``KERN_ROWS``); None: the widest declared.
     chosen_rows: int | None = None
     # Where each key was set, for errors: "kern.toml: targets.x.pool_bytes", "--pool-bytes".
@@ -226,6 +235,11 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         raise TomlConfigError(
             f"{where}.reasoning_parser: {parser!r} is not one of {', '.join(REASONING_PARSERS)}"
         )
+    tool_parser = table.get("tool_parser", TOOL_PARSERS[0])
+    if tool_parser not in TOOL_PARSERS:
+        raise TomlConfigError(
+            f"{where}.tool_parser: {tool_parser!r} is not one of {', '.join(TOOL_PARSERS)}"
+        )
     return Target(
         name=name,
         # Relative paths are relative to the file, so a config works from any directory.
@@ -241,6 +255,7 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         parallel=parallel,
         threads=_pos_int(table, "threads", where, DEFAULT_THREADS),
         reasoning_parser=parser,
+        tool_parser=tool_parser,
         origin={key: f"{where}.{key}" for key in _TARGET_KEYS},
     )
 

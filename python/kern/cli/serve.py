@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import kern.cli.args as argtypes
 from kern.engine.targets import FLAGS, select
 from kern.errors import UsageError
-from kern.kern_toml import DEFAULT_THREADS, REASONING_PARSERS, Target
+from kern.kern_toml import DEFAULT_THREADS, REASONING_PARSERS, TOOL_PARSERS, Target
 from kern.server import logs
 
 if TYPE_CHECKING:
@@ -120,6 +120,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         help="split chat answers' <think>...</think> into reasoning_content (default: off)",
+    )
+    keys.add_argument(
+        "--tool-call-parser",
+        dest="tool_parser",
+        choices=TOOL_PARSERS,
+        help="the convention chat answers write tool calls in, the kern.toml key tool_parser: "
+        "qwen3's <tool_call> blocks or kimi_k2's tool-calls sections (default: qwen3)",
     )
     keys.add_argument(
         "--draft",

@@ -32,6 +32,13 @@ Design notes
   whitespace again). Newlines are part of the convention, so these grammars do not ban
   control-character tokens: xgrammar's JSON string rule already excludes raw control
   characters here.
+* In Kimi K2's convention (``tool_parser = "kimi_k2"``) the calls are one section:
+  ``<|tool_calls_section_begin|>``, per call ``<|tool_call_begin|>functions.NAME:`` an index,
+  ``<|tool_call_argument_begin|>``, the arguments and ``<|tool_call_end|>``, then
+  ``<|tool_calls_section_end|>``; ``auto`` holds a section, once opened, to calls of the tools.
+  The markers are special tokens of Kimi's tokenizer. xgrammar matches text, and the
+  vocabulary handed over holds every added token as its text (special or not, none is left
+  out), so the grammar allows a marker's token as well as the marker spelt in pieces.
 * With a reasoning parser on, a constrained answer may start with a ``<think>...</think>``
   block followed by a blank line (and must, when the prompt opened one): the constraint holds
   for the answer, not the reasoning, as in vLLM.
@@ -64,6 +71,13 @@ TAG_WHITESPACE = 1
 # UTF-8 lead bytes whose next byte is narrower than 80..BF: no overlong forms, no
 # surrogates, nothing past U+10FFFF.
 _SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+# Kimi K2's tool-call markers (kern.server.splitter reads them; the engine imports no server).
+KIMI_SECTION_BEGIN, KIMI_SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_end|>"
+KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
+# A Kimi call's index (calls counted over the conversation): bounded, so that a model the
+# grammar holds cannot write digits forever.
+KIMI_INDEX = "(0|[1-9][0-9]{0,5})"
 
 
 # Threads xgrammar fills a step's masks with: one took 0.72 ms per batch-32 step, two 2.7 ms, on
@@ -216,39 +230,22 @@ class Grammars:
         return self._cached(key, build, "the JSON schema", ban_controls=True)
 
     def compile_tools(
-        self, tools: list[dict[str, Any]], choice: str, parallel: bool, think: str | None
+        self,
+        tools: list[dict[str, Any]],
+        choice: str,
+        parallel: bool,
+        think: str | None,
+        tool_parser: str = "qwen3",
     ) -> Any:
         """The grammar of an answer to a request with ``tools`` (``{"name", "parameters"}``
-        each) and tool_choice ``choice``: "auto", "required" or a tool's name. Raises
-        :class:`StructuredOutputError`."""
-        tags = [
-            {
-                "type": "tag",
-                "begin": '<tool_call>\n{"name": ' + json.dumps(t["name"]) + ', "arguments": ',
-                "content": _json(t.get("parameters") or {"type": "object"}),
-                "end": "}\n</tool_call>",
-            }
-            for t in tools
-            if choice in ("auto", "required") or t["name"] == choice
-        ]
-        if choice == "auto":
-            calls: dict[str, Any] = {
-                "type": "triggered_tags",
-                "triggers": ["<tool_call>"],
-                "tags": tags,
-                "stop_after_first": not parallel,
-            }
-        elif choice == "required":
-            calls = {
-                "type": "tags_with_separator",
-                "tags": tags,
-                "separator": "\n",
-                "at_least_one": True,
-                "stop_after_first": not parallel,
-            }
-        else:
-            calls = tags[0]
-        return self._tag(_sequence(think, calls), "a tool's parameters schema")
+        each) and tool_choice ``choice``: "auto", "required" or a tool's name, its calls
+        written in ``tool_parser``'s convention ("qwen3" or "kimi_k2", kern.server.splitter).
+        Raises :class:`StructuredOutputError`."""
+        chosen = [t for t in tools if choice in ("auto", "required") or t["name"] == choice]
+        build = _kimi_calls if tool_parser == "kimi_k2" else _qwen3_calls
+        return self._tag(
+            _sequence(think, build(chosen, choice, parallel)), "a tool's parameters schema"
+        )
 
     def _tag(self, fmt: dict[str, Any], what: str) -> Any:
         key = json.dumps({"type": "structural_tag", "format": fmt})
@@ -306,3 +303,85 @@ def _sequence(think: str | None, answer: dict[str, Any]) -> dict[str, Any]:
                         "end": "</think>\n\n"},
         }  # fmt: skip
     return {"type": "sequence", "elements": [block, answer]}
+
+
+def _arguments(tool: dict[str, Any]) -> dict[str, Any]:
+    return _json(tool.get("parameters") or {"type": "object"})
+
+
+def _qwen3_calls(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
+    """Calls as ``<tool_call>`` blocks, one per call, a newline between them."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": '<tool_call>\n{"name": ' + json.dumps(t["name"]) + ', "arguments": ',
+            "content": _arguments(t),
+            "end": "}\n</tool_call>",
+        }
+        for t in tools
+    ]
+    if choice == "auto":
+        return {
+            "type": "triggered_tags",
+            "triggers": ["<tool_call>"],
+            "tags": tags,
+            "stop_after_first": not parallel,
+        }
+    if choice == "required":
+        return {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": "\n",
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
+    return tags[0]
+
+
+def _kimi_calls(tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
+    """Calls in one Kimi tool-calls section: each ``functions.NAME:INDEX`` and its arguments
+    between Kimi's markers (see the design notes)."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": KIMI_CALL_BEGIN + "functions." + t["name"] + ":",
+            "content": {
+                "type": "sequence",
+                "elements": [
+                    {"type": "regex", "pattern": KIMI_INDEX},
+                    {"type": "const_string", "value": KIMI_ARGUMENTS},
+                    _arguments(t),
+                ],
+            },
+            "end": KIMI_CALL_END,
+        }
+        for t in tools
+    ]
+    calls: dict[str, Any] = tags[0]
+    if choice in ("auto", "required"):
+        calls = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": "",
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
+    if choice == "auto":
+        section = {"type": "tag", "begin": KIMI_SECTION_BEGIN, "content": calls,
+                   "end": KIMI_SECTION_END}  # fmt: skip
+        return {
+            "type": "triggered_tags",
+            "triggers": [KIMI_SECTION_BEGIN],
+            "tags": [section],
+            "stop_after_first": not parallel,
+            # A call outside a section would not parse: the text may not open one.
+            "excludes": [KIMI_CALL_BEGIN],
+        }
+    return {
+        "type": "sequence",
+        "elements": [
+            {"type": "const_string", "value": KIMI_SECTION_BEGIN},
+            calls,
+            {"type": "const_string", "value": KIMI_SECTION_END},
+        ],
+    }

@@ -53,6 +53,7 @@ class OpenAI:
         max_model_len: int,
         sampling_defaults: dict[str, float],
         reasoning: bool,
+        tool_parser: str = "qwen3",
         log_prompts: bool,
         created: int,
         allow_unknown_fields: bool = False,
@@ -68,8 +69,9 @@ class OpenAI:
         self.max_model_len = max_model_len
         # The checkpoint's generation_config.json defaults (kern.checkpoint.sampling_defaults).
         self.sampling_defaults = sampling_defaults
-        # The target's reasoning parser is on (kern.server.splitter).
+        # The target's reasoning parser is on; its tool-call convention (kern.server.splitter).
         self.reasoning = reasoning
+        self.tool_parser = tool_parser
         # The first prompt's text goes into the request's log line.
         self.log_prompts = log_prompts
         self.created = created
@@ -184,7 +186,8 @@ class OpenAI:
         tools = body.tool_choice_name() != "none"
         split = None
         if self.reasoning or tools:
-            split = partial(Splitter, reasoning=self.reasoning, tools=tools, prompt_opened=opened)
+            kind = partial(Splitter, tool_parser=self.tool_parser)
+            split = partial(kind, reasoning=self.reasoning, tools=tools, prompt_opened=opened)
         await self._generate(
             body,
             [prompt_ids],
@@ -195,6 +198,8 @@ class OpenAI:
             run=run,
             split=split,
             opened=opened,
+            # Kimi's call markers are special tokens: left out of the text, no call would parse.
+            keep_special=tools and self.tool_parser == "kimi_k2",
         )
 
     def check_model(self, model: str | None) -> None:
@@ -256,6 +261,7 @@ class OpenAI:
                     body.tool_choice_name(),
                     body.parallel_tool_calls is not False,
                     think,
+                    self.tool_parser,
                 )
             elif fmt is None:
                 return None
@@ -333,11 +339,11 @@ class OpenAI:
         *,
         run: Callable[..., Run],
         split: Callable[[], Splitter] | None,
-        opened: bool = False,
+        opened: bool = False,  # the prompt opened a reasoning block
+        keep_special: bool = False,  # special tokens' text stays (kimi_k2's call markers)
     ) -> None:
-        """Check the limits, submit ``n`` sequences per prompt and answer with ``run``'s
-        rendering of their events; ``split`` makes each choice's splitter (chat), ``opened``:
-        the prompt opened a reasoning block."""
+        """Check the limits, submit ``n`` sequences per prompt, answer with ``run``'s rendering
+        of their events; ``split`` makes each choice's splitter (chat)."""
         sched = self.scheduler
         n = body.n or 1
         for i, prompt_ids in enumerate(prompts):
@@ -355,7 +361,10 @@ class OpenAI:
         self.prompts.check_ids(sorted(stop_ids), "stop_token_ids")
         # The ids whose token ends a choice: their text is left out unless asked for.
         ends = stop_ids if body.ignore_eos else stop_ids | sched.eos
-        skip_special = body.skip_special_tokens is not False
+        if keep_special and body.skip_special_tokens:
+            msg = "true would drop the kimi_k2 tool-call markers (special tokens) from the text"
+            raise ApiError(400, f"skip_special_tokens: {msg}", param="skip_special_tokens")
+        skip_special = body.skip_special_tokens is not False and not keep_special
         stops = body.stop_strings()
         grammar = await self._grammar(body, opened)
         queue: asyncio.Queue[Item] = asyncio.Queue()

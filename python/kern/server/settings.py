@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kern.engine.targets import Selection, select
 from kern.errors import UsageError
-from kern.kern_toml import REASONING_PARSERS, Target
+from kern.kern_toml import REASONING_PARSERS, TOOL_PARSERS, Target
 from kern.model_config import ModelConfig
 from kern.server import logs
 from kern.server.cors import parse_origins
@@ -80,10 +80,10 @@ class Settings:
         """``KERN_CONFIG`` + ``KERN_TARGET`` (a kern.toml target) or ``KERN_MODEL`` (a
         checkpoint folder), ``KERN_ROWS`` (as ``kern serve --rows``), ``KERN_API_KEY``,
         ``KERN_MAX_BODY_BYTES``, ``KERN_LOG_LEVEL``, ``KERN_LOG_PROMPTS``,
-        ``KERN_STATS_INTERVAL``, ``KERN_REASONING_PARSER``, ``KERN_ALLOW_UNKNOWN_FIELDS``,
-        ``KERN_MAX_MODEL_LEN``, ``KERN_CHAT_TEMPLATE`` (a file), ``KERN_SERVED_MODEL_NAME``
-        and ``KERN_ALLOWED_ORIGINS`` (comma-separated). Raises ``UsageError`` naming the
-        variable."""
+        ``KERN_STATS_INTERVAL``, ``KERN_REASONING_PARSER``, ``KERN_TOOL_CALL_PARSER``,
+        ``KERN_ALLOW_UNKNOWN_FIELDS``, ``KERN_MAX_MODEL_LEN``, ``KERN_CHAT_TEMPLATE`` (a file),
+        ``KERN_SERVED_MODEL_NAME`` and ``KERN_ALLOWED_ORIGINS`` (comma-separated). Raises
+        ``UsageError`` naming the variable."""
         env = os.environ
         names: tuple[str, ...] = ()
         if env.get("KERN_SERVED_MODEL_NAME"):
@@ -138,6 +138,9 @@ def _select(env: Mapping[str, str], served_name: str | None) -> Selection:
         raise UsageError(
             f"KERN_REASONING_PARSER={parser!r} is not one of {', '.join(REASONING_PARSERS)}"
         )
+    tools = env.get("KERN_TOOL_CALL_PARSER") or None
+    if tools is not None and tools not in TOOL_PARSERS:
+        raise UsageError(f"KERN_TOOL_CALL_PARSER={tools!r} is not one of {', '.join(TOOL_PARSERS)}")
     config, name, model = env.get("KERN_CONFIG"), env.get("KERN_TARGET"), env.get("KERN_MODEL")
     if config and not name:
         raise UsageError("KERN_CONFIG needs KERN_TARGET")
@@ -153,7 +156,7 @@ def _select(env: Mapping[str, str], served_name: str | None) -> Selection:
         config=Path(config) if config else None,
         target=name or None,
         model=Path(model) if model else None,
-        overrides={"reasoning_parser": parser},
+        overrides={"reasoning_parser": parser, "tool_parser": tools},
         rows=rows,
         rows_flag="KERN_ROWS",
         served_name=served_name,

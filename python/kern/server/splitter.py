@@ -10,24 +10,41 @@ Design notes
   or one the prompt opened and did not close (templates that end the generation prompt with
   ``<think>``), starts reasoning; ``</think>`` ends it. An answer cut off while reasoning is all
   reasoning. Anything else is content.
-* Tool calls (Qwen3's convention, on when a request has tools and tool_choice is not "none"):
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A block whose JSON is not a
-  name and an arguments object stays content, verbatim, as does a block cut off by the end.
+* Tool calls (on when a request has tools and tool_choice is not "none"), in the target's
+  convention (``tool_parser``): Qwen3's (``qwen3``), a block per call,
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; or Kimi K2's (``kimi_k2``), a
+  section of calls, ``<|tool_calls_section_begin|>`` then per call ``<|tool_call_begin|>``,
+  the call's id ``functions.NAME:INDEX`` (kept as the call's ``id``: Kimi's template renders
+  it back, and its tool results name it), ``<|tool_call_argument_begin|>``, the arguments
+  object and ``<|tool_call_end|>``, then ``<|tool_calls_section_end|>``. A block (a section)
+  that is not that shape, or whose arguments are not a JSON object, stays content, verbatim,
+  as does one cut off by the end: a Kimi section gives its calls only once it is whole.
   Whitespace between and after calls is dropped; any other text there stays content.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kern.kern_toml import REASONING_PARSERS
+from kern.engine.structured import (
+    KIMI_ARGUMENTS,
+    KIMI_CALL_BEGIN,
+    KIMI_CALL_END,
+    KIMI_SECTION_BEGIN,
+    KIMI_SECTION_END,
+)
+from kern.kern_toml import REASONING_PARSERS, TOOL_PARSERS
 
-__all__ = ["REASONING_PARSERS", "Parts", "Splitter", "ToolCall", "opens_reasoning"]
+__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "Parts", "Splitter", "ToolCall", "opens_reasoning"]
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# A Kimi call id: the name runs to the last colon, the index after it.
+_KIMI_ID = re.compile(r"functions\.(.+):[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -60,9 +77,18 @@ def _held(buf: str, tag: str) -> int:
 
 
 class Splitter:
-    def __init__(self, *, reasoning: bool, tools: bool, prompt_opened: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        reasoning: bool,
+        tools: bool,
+        prompt_opened: bool = False,
+        tool_parser: str = TOOL_PARSERS[0],
+    ) -> None:
         self.tools = tools
-        # "start": may still begin with <think>; "think"; "text"; "call": inside a tool call.
+        # What opens and closes a block of calls, and what reads the calls inside.
+        self.open, self.close, self.parse = _CONVENTIONS[tool_parser]
+        # "start": may still begin with <think>; "think"; "text"; "call": in a block of calls.
         self.state = "think" if reasoning and prompt_opened else "start" if reasoning else "text"
         self.buf = ""
         self.calls = 0
@@ -106,30 +132,30 @@ class Splitter:
             self._content(out, self.buf)
             self.buf = ""
             return
-        at = self.buf.find(CALL_OPEN)
+        at = self.buf.find(self.open)
         if at >= 0:
             self._content(out, self.buf[:at])
             self.blank = ""  # whitespace before a call goes with it
             self.buf = self.buf[at:]
             self.state = "call"
             return
-        keep = 0 if final else _held(self.buf, CALL_OPEN)
+        keep = 0 if final else _held(self.buf, self.open)
         self._content(out, self.buf[: len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep :]
 
     def _call(self, out: Parts, final: bool) -> None:
-        at = self.buf.find(CALL_CLOSE)
+        at = self.buf.find(self.close)
         if at < 0:
             return  # the end (final) leaves the unfinished block as content
-        block = self.buf[: at + len(CALL_CLOSE)]
-        self.buf = self.buf[at + len(CALL_CLOSE) :]
+        block = self.buf[: at + len(self.close)]
+        self.buf = self.buf[at + len(self.close) :]
         self.state = "text"
-        call = _parse(block[len(CALL_OPEN) : -len(CALL_CLOSE)])
-        if call is None:
+        calls = self.parse(block[len(self.open) : -len(self.close)])
+        if calls is None:
             self._content(out, block)
         else:
-            out.calls.append(call)
-            self.calls += 1
+            out.calls += calls
+            self.calls += len(calls)
             self.fresh = True
 
     def _content(self, out: Parts, text: str) -> None:
@@ -150,7 +176,17 @@ class Splitter:
         out.content += text
 
 
-def _parse(body: str) -> ToolCall | None:
+def _arguments(text: str) -> str | None:
+    """A call's arguments, a JSON object, as kern returns them; None if not one."""
+    try:
+        args = json.loads(text)
+    except ValueError:
+        return None
+    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+
+
+def _parse_qwen3(body: str) -> list[ToolCall] | None:
+    """The call of a ``<tool_call>`` block's ``body``; None if it is not one."""
     try:
         value = json.loads(body)
     except ValueError:
@@ -160,4 +196,32 @@ def _parse(body: str) -> ToolCall | None:
     name, args = value["name"], value["arguments"]
     if not isinstance(name, str) or not name or not isinstance(args, dict):
         return None
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(args, ensure_ascii=False))
+    call_id = f"call_{uuid.uuid4().hex[:24]}"
+    return [ToolCall(call_id, name, json.dumps(args, ensure_ascii=False))]
+
+
+def _parse_kimi_k2(body: str) -> list[ToolCall] | None:
+    """The calls of a Kimi tool-calls section's ``body``; None unless it is one or more
+    calls, whitespace between them."""
+    calls: list[ToolCall] = []
+    rest = body.strip()
+    while rest:
+        if not rest.startswith(KIMI_CALL_BEGIN):
+            return None
+        call, found, rest = rest[len(KIMI_CALL_BEGIN) :].partition(KIMI_CALL_END)
+        call_id, arrow, text = call.partition(KIMI_ARGUMENTS)
+        call_id = call_id.strip()
+        match = _KIMI_ID.fullmatch(call_id)
+        args = _arguments(text) if found and arrow else None
+        if match is None or args is None:
+            return None
+        calls.append(ToolCall(call_id, match.group(1), args))
+        rest = rest.lstrip()
+    return calls or None
+
+
+_CONVENTIONS: dict[str, tuple[str, str, Callable[[str], list[ToolCall] | None]]] = {
+    "qwen3": (CALL_OPEN, CALL_CLOSE, _parse_qwen3),
+    "kimi_k2": (KIMI_SECTION_BEGIN, KIMI_SECTION_END, _parse_kimi_k2),
+}
+assert tuple(_CONVENTIONS) == TOOL_PARSERS
