@@ -7,6 +7,7 @@ families)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -181,3 +182,78 @@ def test_the_benchmark_runs_and_checks_its_answers(capsys):
     out = capsys.readouterr().out
     assert "| state a sequence, total | 43,417,600 (41.4 MiB) | |" in out
     assert "| Kimi-Linear-48B | 43,417,600 |" in out
+
+
+def test_a_saved_folder_with_kimis_tokenizer_serves_like_kern_run_with_kimi_tool_calls(tmp_path):
+    """The issue's end to end: a folder transformers' save_pretrained wrote, with Kimi's
+    tiktoken tokenizer beside it (no tokenizer.json, no remote code), served by ``kern serve
+    --model DIR --tool-call-parser kimi_k2``: answers equal ``kern run``'s, and a required tool
+    call comes back as OpenAI ``tool_calls`` with Kimi's ``functions.NAME:N`` ids."""
+    transformers = pytest.importorskip("transformers")
+    openai = pytest.importorskip("openai")
+    from support.server import KEY, MODEL, Server
+
+    src = make_tiny("kimi_linear", tmp_path / "src", seed=3, tokenizer="tiktoken")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+    for name in ("tiktoken.model", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(src / name, out / name)
+    assert not (out / "tokenizer.json").exists()
+    ckpt = load_checkpoint(out)
+    eos = set(ckpt.tokenizer.eos_token_ids)
+    s = Server(
+        tmp_path, "kimi", pool_bytes="4MiB", model=out, extra=("--tool-call-parser", "kimi_k2")
+    )
+    try:
+        for p in (prompt(11, 17), prompt(12, 40)):
+            want = generate(ckpt, p, 12, page_tokens=16).ids
+            cut = next((k + 1 for k, t in enumerate(want) if t in eos), len(want))
+            assert s.complete(p, 12)["choices"][0]["token_ids"] == want[:cut]
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0)
+        tool = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 12}},
+                    "required": ["city"],
+                },
+            },
+        }
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        r = client.chat.completions.create(
+            model=MODEL, messages=ask, tools=[tool], tool_choice="required", temperature=0,
+            max_tokens=120, parallel_tool_calls=False,
+        )  # fmt: skip
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        [call] = choice.message.tool_calls
+        assert re.fullmatch(r"functions\.get_weather:[0-9]+", call.id)
+        assert call.function.name == "get_weather"
+        assert isinstance(json.loads(call.function.arguments)["city"], str)
+        # (assert_no_leak's page arithmetic assumes one page a chunk; nothing held is the point)
+        m = s.idle_metrics()
+        assert m["kern_pool_pages_held"] == 0 and m["kern_pool_slots_held"] == 0
+    finally:
+        s.close()
+
+
+def test_make_tiny_writes_kimis_tokenizer_and_refuses_it_elsewhere(tmp_path, capsys):
+    from kern import cli
+
+    assert (
+        cli.main(["make-tiny", "kimi_linear", str(tmp_path / "k"), "--tokenizer", "tiktoken"]) == 0
+    )
+    files = {p.name for p in (tmp_path / "k").iterdir()}
+    assert {"tiktoken.model", "tokenizer_config.json"} <= files and "tokenizer.json" not in files
+    ckpt = load_checkpoint(tmp_path / "k")
+    assert ckpt.config.vocab_size == ckpt.tokenizer.vocab_size == 912
+    assert ckpt.tokenizer.token_to_id("<|tool_calls_section_begin|>") is not None
+    for argv, what in (
+        (["qwen3", str(tmp_path / "q")], "family 'qwen3'"),
+        (["kimi_linear", str(tmp_path / "v"), "--vocab", "600"], "option 'vocab'"),
+    ):
+        assert cli.main(["make-tiny", *argv, "--tokenizer", "tiktoken"]) == 2
+        assert f"does not go with {what}" in capsys.readouterr().err

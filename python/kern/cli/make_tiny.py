@@ -125,6 +125,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tie-embeddings", action="store_true", help="share embedding and LM head")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--shards", type=positive_int, default=1, help="safetensors files")
+    p.add_argument(
+        "--tokenizer",
+        choices=("json", "tiktoken"),
+        default="json",
+        help="json: tokenizer.json (default); tiktoken: kimi_linear only, Kimi's tiktoken.model "
+        "and tokenizer_config.json (its vocabulary sets the model's)",
+    )
     p.add_argument("--force", action="store_true", help="replace files in a non-empty DIR")
     p.set_defaults(func=run)
 
@@ -146,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             tie_embeddings=args.tie_embeddings,
             dtype=args.dtype,
             shards=args.shards,
+            tokenizer=args.tokenizer,
             overwrite=args.force,
             fp8=args.fp8,
             **sizes,

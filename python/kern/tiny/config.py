@@ -95,15 +95,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 
 def config_json(
-    family: str, a: dict[str, Any], special: dict[str, int], tie: bool, dtype: str
+    family: str, a: dict[str, Any], ids: dict[str, int], tie: bool, dtype: str
 ) -> dict[str, Any]:
+    """config.json of ``family`` with sizes ``a``; ``ids``: the "bos", "eos" and "pad" ids."""
     n = a["layers"]
     cfg: dict[str, Any] = {
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "bos_token_id": special["<|endoftext|>"],
+        "bos_token_id": ids["bos"],
         "dtype": dtype,
-        "eos_token_id": special["<|im_end|>"],
+        "eos_token_id": ids["eos"],
         "head_dim": a.get("head_dim"),
         "hidden_act": "silu",
         "hidden_size": a["hidden"],
@@ -113,7 +114,7 @@ def config_json(
         "num_attention_heads": a["heads"],
         "num_hidden_layers": n,
         "num_key_value_heads": a.get("kv_heads"),
-        "pad_token_id": special["<|endoftext|>"],
+        "pad_token_id": ids["pad"],
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": tie,
         "use_cache": True,

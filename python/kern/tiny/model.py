@@ -8,6 +8,8 @@ import hashlib
 import importlib.resources
 import json
 import math
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from kern.model_config import FAMILIES, ModelConfig, parse_config
 from kern.tensor_names import stored_name
 from kern.tiny.config import DEFAULTS, FP8_BLOCK
 from kern.tiny.config import config_json as tiny_config_json
-from kern.tiny.tokenizer import build_tokenizer, tokenizer_config
+from kern.tiny.tokenizer import build_tokenizer, tokenizer_config, write_tiktoken_tokenizer
 
 # The embedded default model (python/kern/assets/tiny-qwen3) is make_tiny("qwen3", DIR,
 # **DEFAULT_MODEL_ARGS); tests/test_tiny.py regenerates it and compares bytes.
@@ -75,6 +77,7 @@ def make_tiny(
     tie_embeddings: bool = False,
     dtype: str = "float32",
     shards: int = 1,
+    tokenizer: str = "json",
     overwrite: bool = False,
 ) -> Path:
     """Write a random-weight checkpoint of ``family`` to ``out_dir``; returns ``out_dir``.
@@ -83,6 +86,8 @@ def make_tiny(
     options that do not apply to the family (``experts`` for ``qwen3``) must be None.
     ``dtype`` is the stored dtype (``float32``/``bfloat16``/``float16``); ``shards > 1`` writes
     ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+    ``tokenizer="tiktoken"`` (kimi_linear) writes Kimi's ``tiktoken.model`` and
+    ``tokenizer_config.json`` instead of ``tokenizer.json`` (its vocabulary sets the model's).
 
     deepseek_v3: ``q_lora_rank=0`` gives a plain q_proj; ``mtp_layers`` writes that many
     multi-token-prediction layers in DeepSeek's names (``model.layers.<layers + k>.*``);
@@ -142,14 +147,38 @@ def make_tiny(
     args["fp8"] = fp8
     storage_dtype = parse_dtype(dtype)
 
-    tokenizer, special_ids = build_tokenizer(args["vocab"])
-    config_json = tiny_config_json(family, args, special_ids, tie_embeddings, dtype)
-    config = parse_config(config_json, source=f"make_tiny({family!r})")
+    if tokenizer not in ("json", "tiktoken"):
+        raise ValueError(f"tokenizer must be 'json' or 'tiktoken', got {tokenizer!r}")
+    if tokenizer == "tiktoken" and (family != "kimi_linear" or vocab is not None):
+        what = "option 'vocab'" if family == "kimi_linear" else f"family {family!r}"
+        raise ValueError(
+            f"tokenizer='tiktoken' (Kimi's, its own vocabulary) does not go with {what}"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        if tokenizer == "tiktoken":
+            kimi = write_tiktoken_tokenizer(Path(tmp))
+            args["vocab"] = kimi.vocab_size
+            ids = {"bos": kimi.bos_token_id, "eos": kimi.eos_token_id}
+            ids["pad"] = kimi.special_ids["[PAD]"]
+            eos_ids = [kimi.eos_token_id, kimi.special_ids["[EOS]"]]
+        else:
+            fast, special_ids = build_tokenizer(args["vocab"])
+            (Path(tmp) / "tokenizer.json").write_text(
+                fast.to_str(pretty=True) + "\n", encoding="utf-8"
+            )
+            _write_json(Path(tmp) / "tokenizer_config.json", tokenizer_config(special_ids))
+            ids = {"bos": special_ids["<|endoftext|>"], "eos": special_ids["<|im_end|>"]}
+            ids["pad"] = ids["bos"]
+            eos_ids = [ids["eos"], ids["bos"]]
+        config_json = tiny_config_json(family, args, ids, tie_embeddings, dtype)
+        config = parse_config(config_json, source=f"make_tiny({family!r})")
 
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out}: not empty (pass overwrite=True / --force to replace)")
-    out.mkdir(parents=True, exist_ok=True)
+        out = Path(out_dir)
+        if out.exists() and any(out.iterdir()) and not overwrite:
+            raise FileExistsError(f"{out}: not empty (pass overwrite=True / --force to replace)")
+        out.mkdir(parents=True, exist_ok=True)
+        for file in sorted(Path(tmp).iterdir()):
+            shutil.copyfile(file, out / file.name)
     tensors = _weights(config, seed, storage_dtype)
     if fp8:
         tensors = quantize_fp8(tensors, FP8_BLOCK)
@@ -158,14 +187,8 @@ def make_tiny(
     _write_json(out / "config.json", config_json)
     _write_json(
         out / "generation_config.json",
-        {
-            "bos_token_id": special_ids["<|endoftext|>"],
-            "eos_token_id": [special_ids["<|im_end|>"], special_ids["<|endoftext|>"]],
-            "pad_token_id": special_ids["<|endoftext|>"],
-        },
+        {"bos_token_id": ids["bos"], "eos_token_id": eos_ids, "pad_token_id": ids["pad"]},
     )
-    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", tokenizer_config(special_ids))
     return out
 
 
