@@ -15,21 +15,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from support.schemas import WEATHER as CITY
 from support.server import KEY, MODEL, Server, thinking_server
 
 from kern.checkpoint import load_checkpoint
 from kern.engine.generate import generate
 from kern.tiny import default_model_path
 
-CITY = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 6},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 GREEDY = {"temperature": 0}
 

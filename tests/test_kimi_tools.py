@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support.scheduler import Harness, load, prompt
+from support.schemas import SCHEMAS
 from support.server import KEY, MODEL, Server
 
 from kern.engine.structured import Grammars
@@ -117,22 +118,6 @@ def test_every_split_is_the_whole(text, reasoning):
 
 # --- the grammar ------------------------------------------------------------------------------
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 6},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-UNITS = {
-    "type": "object",
-    "properties": {"unit": {"enum": ["C", "F"]}},
-    "required": ["unit"],
-    "additionalProperties": False,
-}
-SCHEMAS = {"get_weather": WEATHER, "set_unit": UNITS}
 SPECS = [{"name": name, "parameters": schema} for name, schema in SCHEMAS.items()]
 ID = re.compile(r"functions\.(\w+):[0-9]+")
 

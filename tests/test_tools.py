@@ -12,31 +12,16 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from support.schemas import SCHEMAS, UNITS, WEATHER
 from support.server import KEY, MODEL, Server, thinking_server
 
 from kern.tiny import default_model_path
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 6},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-UNITS = {
-    "type": "object",
-    "properties": {"unit": {"enum": ["C", "F"]}},
-    "required": ["unit"],
-    "additionalProperties": False,
-}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Forecast",
                                       "parameters": WEATHER}},
     {"type": "function", "function": {"name": "set_unit", "parameters": UNITS}},
 ]  # fmt: skip
-SCHEMAS = {"get_weather": WEATHER, "set_unit": UNITS}
 ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 

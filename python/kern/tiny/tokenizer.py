@@ -36,10 +36,8 @@ _SPLIT = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# A Qwen3-style template written for kern: tools go into the system turn as JSON lines, the
-# model calls them as <tool_call>{json}</tool_call>, results come back as <tool_response> in a
-# user turn, and enable_thinking=false writes an empty <think> block.
-CHAT_TEMPLATE = """\
+# Both templates take a message's text (a string, or text parts) with this macro.
+_TEXT_OF = """\
 {%- macro text_of(message) %}
     {%- if message['content'] is string %}
         {{- message['content'] }}
@@ -53,6 +51,14 @@ CHAT_TEMPLATE = """\
         {%- endfor %}
     {%- endif %}
 {%- endmacro %}
+"""
+
+# A Qwen3-style template written for kern: tools go into the system turn as JSON lines, the
+# model calls them as <tool_call>{json}</tool_call>, results come back as <tool_response> in a
+# user turn, and enable_thinking=false writes an empty <think> block.
+CHAT_TEMPLATE = (
+    _TEXT_OF
+    + """\
 {%- set first_system = messages and messages[0]['role'] == 'system' %}
 {%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -107,6 +113,7 @@ CHAT_TEMPLATE = """\
     {%- endif %}
 {%- endif %}
 """
+)
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A serving engine answers many requests at once,
@@ -285,20 +292,9 @@ KIMI_SPECIAL_TOKENS = {
 # system turn (keys sorted, as Kimi's tokenizer sorts them before rendering), a default system
 # turn, tool calls as <|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments} in a
 # section after the assistant's text, tool results in a "tool" system turn.
-KIMI_CHAT_TEMPLATE = """\
-{%- macro text_of(message) %}
-    {%- if message['content'] is string %}
-        {{- message['content'] }}
-    {%- elif message['content'] is not defined or message['content'] is none %}
-    {%- else %}
-        {%- for part in message['content'] %}
-            {%- if part['type'] != 'text' %}
-                {{- raise_exception('Only text content parts are supported') }}
-            {%- endif %}
-            {{- part['text'] }}
-        {%- endfor %}
-    {%- endif %}
-{%- endmacro %}
+KIMI_CHAT_TEMPLATE = (
+    _TEXT_OF
+    + """\
 {%- if tools %}
     {{- '<|im_system|>tool_declare<|im_middle|>' }}
     {{- tools | tojson(separators=(',', ':'), sort_keys=true) }}
@@ -347,6 +343,7 @@ KIMI_CHAT_TEMPLATE = """\
     {{- '<|im_assistant|>assistant<|im_middle|>' }}
 {%- endif %}
 """
+)
 
 # Text in Kimi's chat format, beside the shared corpus, so the markup's words get merges.
 _KIMI_CORPUS = """\
