@@ -237,18 +237,14 @@ def _merge(word: tuple[_Sym, ...], pair: tuple[_Sym, _Sym], merged: _Sym) -> tup
     return tuple(out)
 
 
+def _added_tokens(special_ids: dict[str, int]) -> dict[str, Any]:
+    """tokenizer_config.json's ``added_tokens_decoder``: every id a special token."""
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    return {str(i): {"content": s, **flags, "special": True} for s, i in special_ids.items()}
+
+
 def tokenizer_config(special_ids: dict[str, int]) -> dict[str, Any]:
-    added = {
-        str(i): {
-            "content": s,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for s, i in special_ids.items()
-    }
+    added = _added_tokens(special_ids)
     return {
         "add_bos_token": False,
         "add_prefix_space": False,
@@ -372,17 +368,7 @@ def write_tiktoken_tokenizer(out_dir: Path, *, merges: int = 400) -> KimiTokeniz
     tokens = learn_byte_merges(_CORPUS + _KIMI_CORPUS, merges)
     n = len(tokens)
     special_ids = {s: n + offset for s, offset in KIMI_SPECIAL_TOKENS.items()}
-    added = {
-        str(i): {
-            "content": s,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for s, i in special_ids.items()
-    }
+    added = _added_tokens(special_ids)
     config = {
         "added_tokens_decoder": added,
         "additional_special_tokens": [s for s in KIMI_SPECIAL_TOKENS if s.startswith("<|")],
