@@ -207,7 +207,7 @@ def check_unchanged(c: kp.Cache, before: tuple) -> None:
         (lambda c, p: c.free_pages(u32([p[0], p[0]])), kp.RepeatedId, "more than once"),
         (lambda c, p: c.free_pages(u32([50])), kp.NotAllocated, "page 50 is not allocated"),
         (lambda c, p: c.unlock(c._peek(u32(range(8))).node), kp.NotLocked, "not locked"),
-        (lambda c, p: c.unlock(0xDEAD), kp.UnknownNode, "names no live node"),
+        (lambda c, p: c.unlock(0xDEAD), kp.NotLocked, "names no live node"),
         (lambda c, p: c.wake(12345), kp.UnknownNode, "names no live node"),
         (lambda c, p: c.match(np.arange(4, dtype=np.int64)), kp.NotU32, "format 'l'"),
         (lambda c, p: c.match([1, 2, 3]), kp.NotU32, "not a buffer"),
@@ -303,7 +303,7 @@ def test_release_is_insert_unlock_and_free(cache):
     own = ids(alloc(cache, 3))  # the key's third page and two past the key
     pages = ids(m.pages) + own[:1]
     used = cache.stats().pages_used
-    ins = cache.release(key, u32(pages), None, m.node, u32(own[1:]))
+    ins = cache.release(key, u32(pages), node=m.node, free=u32(own[1:]))
     assert (m.hit_len, ins.woken) == (8, 0)
     s = cache.stats()
     assert (s.pages_used, s.resident_pages) == (used - 2, 3)

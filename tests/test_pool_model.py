@@ -388,20 +388,16 @@ class Model:
         if inside:
             read = self.pages[look.read[-1]]
             tree_last = read.tier == "R" and read.dev == pages[-1]
-            if gives and not tree_last:
-                inside = False  # the caller's copy of that page becomes a leaf with the state
+            if (gives or read.tier == "P") and not tree_last:
+                # The caller's copy of that page becomes a leaf (with the state, if given);
+                # inside a parked entry the whole pages before it are taken too, so the key
+                # is resident and the entry's rest stays parked.
+                inside = False
             else:
                 keys = keys[:-1]  # the last page is a duplicate of the one read
                 touched = keys + [look.read[-1]]
                 if not tree_last:
                     freed.append(pages[-1])
-                if read.tier == "P":
-                    # A parked entry is one unit: read in part, none of it is taken.
-                    for k, page in zip(keys, pages, strict=False):
-                        if self.pages[k].group == read.group:
-                            freed.append(page)
-                    keys = [k for k in keys if self.pages[k].group != read.group]
-                    touched = touched[:-1] + self.groups[read.group].keys
         covered: dict[int, list[Key]] = {}
         for k in keys:
             p = self.pages.get(k)
@@ -638,11 +634,13 @@ class CacheMachine(RuleBasedStateMachine):
                 # A page named twice is refused, changing nothing.
                 self.refused(
                     lambda: cache.release(
-                        u32(r.tokens), u32(r.pages), r.slot, r.node, u32(extra * 2)
+                        u32(r.tokens), u32(r.pages), state=r.slot, node=r.node, free=u32(extra * 2)
                     ),
                     kp.RepeatedId,
                 )
-            ins = cache.release(u32(r.tokens), u32(r.pages), r.slot, r.node, u32(extra))
+            ins = cache.release(
+                u32(r.tokens), u32(r.pages), state=r.slot, node=r.node, free=u32(extra)
+            )
         else:
             ins = cache.insert(u32(r.tokens), u32(r.pages), r.slot)
         held, woken, freed = model.insert(r.tokens, r.pages, r.slot)
@@ -709,7 +707,7 @@ class CacheMachine(RuleBasedStateMachine):
             k = list(model.pages)[pick % len(model.pages)]
             node = cache._peek(u32(k[0] + k[1])).node
             if node is not None and node not in held:
-                self.refused(lambda: cache.unlock(node), (kp.NotLocked, kp.UnknownNode))
+                self.refused(lambda: cache.unlock(node), kp.NotLocked)
         elif kind == 3 and mine:
             p = mine[pick % len(mine)]
             tokens = u32([5] * (2 * self.pt))
@@ -717,8 +715,11 @@ class CacheMachine(RuleBasedStateMachine):
         elif kind == 4:
 
             def too_many() -> None:  # more pages than the pool has: none, and nothing evicted
-                pages, room = cache.take_pages(cache.device.num_pages + 1)
-                assert (pages, room.fits, room.evicted) == (None, False, [])
+                # One more than could ever be free: the slots' starting chunks are not pages'.
+                for n in (cache.device.num_pages + 1, self.start.pages_free + 1):
+                    pages, room = cache.take_pages(n)
+                    assert (pages, room.fits, room.evicted) == (None, False, [])
+                    assert cache.make_room(n) is room  # evicting nothing: one shared Room
 
             self.refused(too_many, None)
         elif kind == 5:
@@ -758,8 +759,9 @@ class CacheMachine(RuleBasedStateMachine):
         steps_run.append(self.steps - 1)  # the first invariant check runs before any step
         while self.requests:
             self.abort(0)
-        # Nothing leaks: with every resident entry dropped the device is back at its start.
-        self.room(self.cache.device.num_pages, 0, False)
+        # Nothing leaks: with every resident entry dropped the device is back at its start
+        # (room for every page that could ever be free: the slots' floor never is).
+        self.room(self.start.pages_free, 0, False)
         s = self.cache.stats()
         assert s.pages_used == 0 and s.pages_free == self.start.pages_free
         assert s.slots_used == 0

@@ -177,3 +177,97 @@ def test_siblings_sharing_a_first_token_and_a_partial_last_page_evict_in_exact_l
     assert c.stats().num_nodes == 1  # the template, held by the newcomer
     c.unlock(newcomer.node)
     c.check_integrity()
+
+
+# ---- issue 27: contracts an independent model of the cache found broken.
+
+
+def test_room_only_the_slot_floor_could_give_evicts_nothing_and_is_one_shared_room():
+    # A stateful cache keeps two slots' chunks; pages can never have them.
+    c = kp.Cache(page_tokens=1, page_bytes=64, device_bytes=8 * 64, state_bytes=64)
+    ever = c.pages_free
+    assert ever == c.device.num_pages - 2
+    put(c, [1, 2, 3])
+    before = state(c)
+    pages, room = c.take_pages(ever + 1)
+    assert (pages, room.fits, room.evicted) == (None, False, [])
+    assert state(c) == before  # nothing was dropped for room that could never be had
+    # An eviction-free call returns the same Room each time, from either verb.
+    assert c.take_pages(ever + 1)[1] is room
+    assert c.make_room(ever + 1) is room
+    assert c.make_room(ever - 1, slots=4) is room
+    assert c.make_room(0) is c.take_pages(0)[1] is not room
+    # The most that could ever be free is made by evicting.
+    room = c.make_room(ever, park=False)
+    assert room.fits and len(room.evicted) == 1
+    c.check_integrity()
+
+
+def test_a_wake_with_nothing_parked_is_still_a_use():
+    c = kp.Cache(page_tokens=4, page_bytes=64, device_bytes=64 * 64, host_bytes=16 * 64)
+    c._record_paths(True)
+    put(c, [1] * 4)
+    m = c.match(u([1] * 4))
+    put(c, [3] * 4)  # used after that match...
+    woken = c.wake(m.node)  # ...but before this wake, which has nothing to bring back
+    assert woken.keys == [] and woken.plan.num_pages == 0
+    c.unlock(m.node)
+    (e,) = c.make_room(c.pages_free + 1, park=False).evicted
+    assert ids(e.key.tokens) == [3] * 4
+
+
+@pytest.mark.parametrize("n", [2, 6, 9])
+def test_an_insert_ending_mid_page_inside_a_parked_entry_takes_the_callers_pages(n):
+    c = kp.Cache(page_tokens=4, page_bytes=64, device_bytes=64 * 64, host_bytes=8 * 64)
+    entry = list(range(1, 11))  # pages [1-4] [5-8] [9 10]
+    put(c, entry)
+    c.make_room(c.device.num_pages)  # parks it whole
+    assert (c.stats().parked_pages, c.stats().pages_used) == (3, 0)
+    key = entry[:n]
+    pages = alloc(c, -(-n // 4))
+    assert c.insert(u(key), pages).woken == 0
+    c.check_integrity()
+    # The key is resident in the caller's own pages; the entry's rest stays parked.
+    m = c._peek(u(key))
+    assert (m.hit_len, m.resident_len, m.pages) == (n, n, pages)
+    s = c.stats()
+    assert (s.pages_used, s.parked_pages) == (len(pages) // 4, 3 - n // 4)
+    m = c.match(u(entry))
+    assert (m.hit_len, m.resident_len) == (10, n // 4 * 4)
+    assert c.wake(m.node).plan.num_pages == 3 - n // 4
+    c.unlock(m.node)
+    assert c._peek(u(entry)).resident_len == 10
+    c.check_integrity()
+
+
+def test_a_dead_handle_is_not_locked_for_unlock_and_release():
+    c = kp.Cache(page_tokens=4, page_bytes=64, device_bytes=64 * 64)
+    put(c, [1] * 4)
+    node = c.match(u([1] * 4)).node
+    c.unlock(node)
+    c.make_room(c.device.num_pages, park=False)  # removes the node
+    mine = alloc(c, 1)
+    before = state(c)
+    with pytest.raises(kp.NotLocked, match="names no live node"):
+        c.unlock(node)
+    with pytest.raises(kp.NotLocked, match="names no live node"):
+        c.release(u([7] * 4), mine, node=node)
+    assert state(c) == before
+    c.free_pages(mine)
+    c.check_integrity()
+
+
+def test_release_takes_state_node_and_free_by_keyword_only():
+    c = kp.Cache(page_tokens=4, page_bytes=64, device_bytes=64 * 64, state_bytes=64)
+    put(c, [1] * 4)
+    node = c.match(u([1] * 4)).node
+    slot = c.alloc_slot()
+    mine = alloc(c, 1)
+    before = state(c)
+    # A swapped pair by position (node where the slot goes) can no longer be passed at all.
+    with pytest.raises(TypeError):
+        c.release(u([2] * 4), mine, node, slot)  # type: ignore[misc]
+    assert state(c) == before
+    c.release(u([2] * 4), mine, state=slot, node=node)
+    assert c._peek(u([2] * 4)).state_slot == slot
+    c.check_integrity()

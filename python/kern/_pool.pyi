@@ -216,7 +216,8 @@ class Cache:
         locks exactly the path read; splits the node it stops in (never a parked one)."""
 
     def unlock(self, node: int) -> None:
-        """Release one lock ``match`` took on ``node``; ``NotLocked`` for any other handle."""
+        """Release one lock ``match`` took on ``node``; ``NotLocked`` for any other handle,
+        one that names no live node included."""
 
     def insert(self, tokens: Buffer, pages: Buffer, state: int | None = None) -> Inserted:
         """Give a request's tokens, pages and state snapshot to the tree: it takes what it
@@ -224,29 +225,34 @@ class Cache:
 
     def make_room(self, pages: int = 0, slots: int = 0, park: bool = True) -> Room:
         """Evict until ``pages`` pages and ``slots`` slots can be allocated together; land each
-        park plan before allocating. ``park=False`` drops instead of parking (the scheduler
-        never asks for it; it is how a test empties a cache that has a host tier)."""
+        park plan before allocating. Room that could not fit even in an empty pool (the state
+        slots' starting chunks are never pages') evicts nothing. A call that evicted nothing
+        returns one of two shared ``Room`` objects. ``park=False`` drops instead of parking
+        (the scheduler never asks for it; it is how a test empties a cache with a host tier)."""
 
     def take_pages(self, n: int) -> tuple[bytes | None, Room]:
         """``make_room(n)`` and, when the room fits, ``n`` pages allocated, in one call:
         ``(pages, room)``, ``pages`` None when ``room.fits`` is False. Land each park plan
-        before writing the pages. A call that evicted nothing returns the same ``Room``."""
+        before writing the pages. A call that evicted nothing returns one of two shared
+        ``Room`` objects (one that fits, one that does not), the same each time."""
 
     def release(
         self,
         tokens: Buffer,
         pages: Buffer,
+        *,
         state: int | None = None,
         node: int | None = None,
         free: Buffer = b"",
     ) -> Inserted:
         """The end of a request: ``insert(tokens, pages, state)``, ``unlock(node)`` and
         ``free_pages(free)`` in one call. Every check runs before anything changes (a page
-        named in both ``pages`` and ``free`` is ``RepeatedId``). Pass arguments by position:
-        keywords cost about 0.1 us each to cross."""
+        named in both ``pages`` and ``free`` is ``RepeatedId``). ``state`` and ``node`` are
+        both ints, so they are keyword-only: a swapped pair cannot pass by position."""
 
     def wake(self, node: int) -> Woken:
-        """Bring the parked part of ``node``'s path back, all or nothing (``PoolFull``)."""
+        """Bring the parked part of ``node``'s path back, all or nothing (``PoolFull``), and
+        refresh the path: a wake is a use, with nothing parked too."""
 
     def free_pages(self, pages: Buffer) -> None: ...
     def alloc_slot(self) -> int: ...

@@ -23,7 +23,7 @@ Contract with the caller (the scheduler), one call per operation:
 - ``take_pages(n)`` is ``make_room(n)`` and, when the room fits, ``n`` pages allocated, in one
   call, returning ``(pages, room)`` (``pages`` None when it does not fit); land the park
   plans in ``room`` before writing the pages.
-- ``release(tokens, pages, state, node, free)`` ends a request in one call: the
+- ``release(tokens, pages, *, state, node, free)`` ends a request in one call: the
   ``insert``, the ``unlock`` of its match's lock and the ``free_pages`` of its pages past the
   key, every check before anything changes.
 - Every error is raised before anything changes.

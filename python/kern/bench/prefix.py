@@ -189,7 +189,7 @@ def replay_kern(t: Trace, pt: int, budget: int) -> Run:
             own, room = cache.take_pages(need)
             block += own
             t1 = clock()
-            cache.release(key, block[:whole], None, node, block[whole:])
+            cache.release(key, block[:whole], node=node, free=block[whole:])
             t2 = clock()
             if room.evicted:
                 take_ns.append(t1 - t0)

@@ -11,7 +11,11 @@ Design notes
   where a state snapshot sits, and the snapshot is copied into the request's own slot.
 * A hit is worth taking only if it fits: one ending mid-page keeps its locked page *and*
   needs a copy of it, one page more than the same prompt without the hit, so when the pages
-  cannot be had with the hit, admission retries without it (:meth:`Memory.admit`).
+  cannot be had with the hit, admission retries without it (:meth:`Memory.admit`). Not when
+  the hit's path holds no more device pages than the hit itself (stateless): unlocking it
+  cannot make the retry fit, which then only parked again what the hit's wake had just
+  brought back, at every step the request waited (tests/test_abort_wake.py's woken-no-room
+  case, run to the end: 280 pages woken and 290 parked in 41 steps before, 12 and 22 now).
 * Plans pass through: whatever ``make_room`` parks is handed to ``Runner.park`` in one list
   before anything is allocated again (:meth:`Memory.land`, the one door), a wake's plan to
   ``Runner.wake`` before the pages are read. Counters come from the returned values alone
@@ -111,13 +115,16 @@ class Memory:
         m = self.match(req.tokens)  # locked when it hit
         hit = self._usable_hit(m, cap)
         if hit > 0:
-            if self._admit_with_hit(req, m, hit):
-                return True
+            started = self._admit_with_hit(req, m, hit)
+            if started is not None:
+                return started
         elif m.node is not None:
             self.unlock(m.node)
         return self._start_at(req, None, None, 0)
 
-    def _admit_with_hit(self, req: Request, m: Match, hit: int) -> bool:
+    def _admit_with_hit(self, req: Request, m: Match, hit: int) -> bool | None:
+        """Start ``req`` on its hit: True when started, None when a start without the hit
+        may still fit, False when it cannot either."""
         node = m.node  # locked by the caller's match; unlocked here unless admitted
         assert node is not None
         cap = len(req.tokens) - 1
@@ -135,7 +142,13 @@ class Memory:
         if hit > 0 and self._start_at(req, m, node, hit):
             return True
         self.unlock(node)
-        return False
+        pt = self.page_tokens
+        if hit > 0 and not self.stateful and cdiv(m.resident_len, pt) <= hit // pt:
+            # Unlocking gives the start without the hit at most the path's device pages, no
+            # more than the hit's own: it cannot fit either. Trying would only park again what
+            # a wake just brought back, at every step this request waits.
+            return False
+        return None
 
     def _start_at(self, req: Request, m: Match | None, node: int | None, hit: int) -> bool:
         """Allocate what ``req`` needs past a ``hit``-token prefix (``m``'s, locked on
@@ -293,7 +306,9 @@ class Memory:
         # pages, and the slot when it already holds a snapshot at this length), the match's
         # lock is released and the pages past the computed tokens are freed. (With nothing
         # computed, `keep` is empty and the insert of an empty key changes nothing.)
-        ins = self.cache.release(u32(req.tokens[:n]), u32(keep), state, node, u32(extra))
+        ins = self.cache.release(
+            u32(req.tokens[:n]), u32(keep), state=state, node=node, free=u32(extra)
+        )
         if ins.woken:
             self.metrics.woken.inc(ins.woken)
         if state is not None:

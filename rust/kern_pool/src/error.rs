@@ -35,8 +35,9 @@ pub enum KernError {
     OwnedByCache { what: &'static str, id: u32 },
     /// A node handle that names no live node.
     UnknownNode { handle: u64 },
-    /// Unlock of a node that is not locked.
-    NotLocked { handle: u64 },
+    /// Unlock of a handle that holds no lock: `live` false when it names no live node (a
+    /// removed node is never locked, so its handle holds none either).
+    NotLocked { handle: u64, live: bool },
     /// The page list does not match the token count.
     LengthMismatch {
         tokens: usize,
@@ -79,7 +80,12 @@ impl fmt::Display for KernError {
                 write!(f, "{what} {id} is owned by the prefix cache, not by the caller")
             }
             UnknownNode { handle } => write!(f, "node handle {handle:#x} names no live node"),
-            NotLocked { handle } => write!(f, "node handle {handle:#x} is not locked"),
+            NotLocked { handle, live: true } => {
+                write!(f, "node handle {handle:#x} is not locked")
+            }
+            NotLocked { handle, live: false } => {
+                write!(f, "node handle {handle:#x} is not locked: it names no live node")
+            }
             LengthMismatch { tokens, pages, page_tokens } => write!(
                 f,
                 "{tokens} tokens at {page_tokens} tokens per page need {} pages, got {pages}",

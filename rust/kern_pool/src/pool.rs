@@ -455,13 +455,15 @@ impl Pool {
     }
 
     /// Could `pages` pages and `slots` slots ever be allocated together, with the pool empty?
+    /// The state slots' floor chunks are never the pages': slots hold at least that many.
     pub fn could_ever_fit(&self, pages: u64, slots: u64) -> bool {
         if slots > 0 && self.slots.is_none() {
             return false;
         }
         let chunks = |n: u64, per: u32| n.div_ceil(u64::from(per.max(1)));
-        chunks(pages, self.pages.per_chunk) + chunks(slots, self.slots_per_chunk())
-            <= u64::from(self.num_chunks)
+        let floor = self.slots.as_ref().map_or(0, |s| u64::from(s.floor_chunks));
+        let slot_chunks = chunks(slots, self.slots_per_chunk()).max(floor);
+        chunks(pages, self.pages.per_chunk) + slot_chunks <= u64::from(self.num_chunks)
     }
 
     /// Take one more chunk for `kind`: a free one (lowest for pages, highest for slots), else an

@@ -480,8 +480,9 @@ fn run(page_tokens: u32, device_pages: u64, host_pages: u64, stateful: bool, ops
         );
     }
     // Evict everything resident: the device back at its start. What stays is parked entries,
-    // and the host holds exactly their pages (check_integrity recounts that).
-    let all = cache.device_geometry().num_pages();
+    // and the host holds exactly their pages (check_integrity recounts that). Room for every
+    // page that could ever be free (not the slots' floor: that room is never made).
+    let all = start.device.pages_free;
     let room = cache.make_room(all, 0, false);
     check_order(&mut recency, &room.evicted);
     land(&mut mem, &mut counts, room.evicted);

@@ -262,6 +262,8 @@ impl Prefix {
         chain.reverse();
         let mut woken = Woken::default();
         if chain.is_empty() {
+            // Nothing to bring back, but a wake is still a use of the path.
+            self.touch_up(last);
             return Ok(woken);
         }
         let host = host.ok_or(KernError::NoHostTier)?;

@@ -105,13 +105,13 @@ impl Prefix {
                 // The key ends inside `c`, mid-page: the tree holds every token of it.
                 let s = cover / pt * pt;
                 let last = pages[pages.len() - 1];
-                let tree_last = {
-                    let n = &self.nodes[c as usize];
-                    n.tier == Tier::Resident && n.pages.get(s / pt) == Some(&last)
-                };
-                if snapshot.is_some() && !tree_last {
+                let parked = self.nodes[c as usize].tier == Tier::Parked;
+                let tree_last = !parked && self.nodes[c as usize].pages.get(s / pt) == Some(&last);
+                if (snapshot.is_some() || parked) && !tree_last {
                     // A snapshot needs a node that ends where the key does: a leaf of the key's
                     // last partial page, in the caller's copy, after the last page boundary.
+                    // Inside a parked entry the same shape leaves the key resident: the head's
+                    // whole pages and that leaf are the caller's pages, the rest stays parked.
                     if s > 0 {
                         let top = self.split(c, s);
                         self.take(
@@ -128,25 +128,18 @@ impl Prefix {
                     pos += s;
                     break;
                 }
-                if self.nodes[c as usize].tier == Tier::Resident {
-                    let at = cover.div_ceil(pt) * pt;
-                    let head = if at < clen { self.split(c, at) } else { c };
-                    self.take(
-                        head,
-                        pages,
-                        None,
-                        false,
-                        host.as_deref_mut(),
-                        &mut dups,
-                        &mut woken,
-                    );
-                    node = head;
-                } else {
-                    // A parked entry is one unit: the caller's pages are duplicates of it.
-                    let base = self.nodes[c as usize].start as usize / pt;
-                    dups.extend_from_slice(&pages[base..]);
-                    node = c;
-                }
+                let at = cover.div_ceil(pt) * pt;
+                let head = if at < clen { self.split(c, at) } else { c };
+                self.take(
+                    head,
+                    pages,
+                    None,
+                    false,
+                    host.as_deref_mut(),
+                    &mut dups,
+                    &mut woken,
+                );
+                node = head;
                 pos = total;
                 break;
             }

@@ -834,12 +834,16 @@ impl Prefix {
     }
 
     /// What `unlock(node)` would refuse, changing nothing; the node's index when it would not.
+    /// Any handle without a lock is `NotLocked`, a dead one included: a locked node is never
+    /// removed, so a dead handle holds no lock.
     pub fn check_unlock(&self, node: NodeId) -> Result<u32> {
-        let i = self.resolve(node)?;
+        let handle = node.to_u64();
+        let i = self.resolve(node).map_err(|_| KernError::NotLocked {
+            handle,
+            live: false,
+        })?;
         if self.nodes[i as usize].own_lock == 0 {
-            return Err(KernError::NotLocked {
-                handle: node.to_u64(),
-            });
+            return Err(KernError::NotLocked { handle, live: true });
         }
         Ok(i)
     }

@@ -199,7 +199,8 @@ fn unlock_needs_a_lock_on_that_very_handle() {
     assert_eq!(
         c.unlock(head),
         Err(KernError::NotLocked {
-            handle: head.to_u64()
+            handle: head.to_u64(),
+            live: true
         })
     );
     assert_eq!(c.stats(), before);
@@ -705,8 +706,9 @@ fn release_errors_change_nothing() {
         (
             Some(stale),
             vec![mine[1]],
-            KernError::UnknownNode {
+            KernError::NotLocked {
                 handle: stale.to_u64(),
+                live: false,
             },
         ),
         (
@@ -763,7 +765,8 @@ fn release_errors_change_nothing() {
     assert_eq!(
         again,
         Err(KernError::NotLocked {
-            handle: node.to_u64()
+            handle: node.to_u64(),
+            live: true
         })
     );
     assert_eq!(c.stats(), s);

@@ -50,7 +50,7 @@ create_exception!(
     kern._pool,
     NotLocked,
     PyValueError,
-    "Unlock of a node that is not locked."
+    "Unlock or release of a handle that holds no lock (one naming no live node included)."
 );
 create_exception!(
     kern._pool,
