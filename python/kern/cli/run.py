@@ -115,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
     target = selection.target
     rows = target.decode_rows
     sampling = _sampling(args)
+    from kern.engine.budgets import check_budgets
 
+    # As kern serve: a budget the machine cannot give is refused before anything loads.
+    check_budgets(target)
     ranks, ckpt = _load(target)
     draft = load_draft(target) if rows > 1 else None
     prompt_ids = _prompt_ids(args, ckpt)

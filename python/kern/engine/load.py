@@ -43,6 +43,7 @@ import torch
 from kern.backend import Ops, make_ops
 from kern.checkpoint import Checkpoint, load_checkpoint
 from kern.engine.arena import Placement
+from kern.engine.budgets import check_budgets
 from kern.engine.draft import check_draft_target, draft_layout
 from kern.engine.layout import Layout
 from kern.engine.mtp import MtpDrafts, MtpRunner, check_mtp_target, mtp_layout
@@ -92,6 +93,8 @@ class Engine:
         A target with ``ranks`` above 1 is loaded by every rank, each its shard
         (``kern.engine.ranks``): the runner is then rank 0's :class:`RankedRunner`, and the
         budgets are per rank (every rank's arena is that size)."""
+        # Before anything is read or allocated: a budget the machine cannot give is one line.
+        check_budgets(target)
         if target.draft_checkpoint is not None:
             # As kern.engine.targets.check_target checks before load: the tests and the benchmarks
             # build engines without it.

@@ -16,10 +16,10 @@ from typing import ClassVar
 
 from kern.engine.request import Event, Request
 from kern.server import api
-from kern.server.api import ApiError
 from kern.server.http import DONE, SSE, Disconnected, Marker, Send, respond, send_sse
 from kern.server.splitter import Parts
-from kern.server.text import Choice, LogprobItem
+from kern.server.text import Choice
+from kern.token_bytes import ByteLedger
 from kern.tokenizer import Tokenizer
 
 __all__ = ["Abort", "ChatRun", "CompletionRun", "Item", "Run"]
@@ -60,13 +60,16 @@ class Run:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.abort = abort
+        if reqs and reqs[0].num_logprobs is not None:
+            for ch in choices:  # the bytes each token adds, for logprobs (kern.token_bytes)
+                ch.ledger = ByteLedger.of(tokenizer)
         self.id = self.prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.shut = False
 
     def shut_down(self) -> None:
-        """End this run now (the server drains): open streams end with ``abort``, a whole
-        answer becomes a 503 (see kern.server's design notes)."""
+        """End this run now (the server drains): its choices end with ``abort``, streamed or
+        whole (see kern.server.drain)."""
         self.shut = True
         self.queue.put_nowait(Marker.SHUTDOWN)
 
@@ -125,12 +128,11 @@ class Run:
         return api.Usage(prompt, completion, prompt + completion, api.PromptTokensDetails(cached))
 
     async def collect(self, send: Send) -> None:
-        """The whole answer, once every choice has ended; a 503 if the server drained."""
+        """The whole answer, once every choice has ended (a drain ends them with ``abort``:
+        the answer so far, never a 503, whose tokens would be lost)."""
         async for batch in self.events():
             for ch, text, finish in batch:
                 self.released(ch, text, finish)
-        if self.shut:
-            raise ApiError(503, "the server is shutting down", type="server_error")
         await respond(send, 200, self._whole())
 
     async def stream(self, send: Send) -> None:
@@ -144,7 +146,7 @@ class Run:
             for ch, text, finish in batch:
                 # Every logprob entry not sent yet, once each: a token that released no text
                 # goes out with the next chunk, and the final chunk carries all the rest.
-                start, end = ch.sent_logprobs, len(ch.logprobs)
+                start, end = ch.sent_logprobs, self._ready(ch)
                 ch.sent_logprobs = end
                 lines.append(self._chunk(ch, text, finish, start, end))
             await send_sse(send, lines)
@@ -162,6 +164,10 @@ class Run:
 
     def _lp(self) -> bool:
         return self.reqs[0].num_logprobs is not None
+
+    def _ready(self, ch: Choice) -> int:
+        """How many of ``ch``'s logprob entries may be sent now."""
+        return len(ch.logprobs)
 
     def _token_ids(self, ch: Choice) -> list[int] | None:
         return list(ch.ids) if self.body.return_token_ids else None
@@ -266,7 +272,7 @@ class ChatRun(Run):
             api.ChatChoice(
                 c.index,
                 _message(c),
-                self._logprobs(c.logprobs) if lp else None,
+                self._logprobs(c, 0, len(c.logprobs)) if lp else None,
                 c.finish_reason(),  # type: ignore[arg-type]
                 c.stop_reason,
                 self._token_ids(c),
@@ -287,7 +293,7 @@ class ChatRun(Run):
         return [api.encode(api.ChatCompletionChunk(self.id, self.created, self.model_name, first))]
 
     def _chunk(self, ch: Choice, text: str, finish: str | None, start: int, end: int) -> bytes:
-        entries = self._logprobs(ch.logprobs[start:end]) if self._lp() else None
+        entries = self._logprobs(ch, start, end) if self._lp() else None
         if ch.split is not None:
             delta = _delta(ch, ch.parts(text, finish is not None))
         else:
@@ -307,10 +313,22 @@ class ChatRun(Run):
             api.ChatCompletionChunk(self.id, self.created, self.model_name, [], self.usage())
         )
 
-    def _logprobs(self, entries: list[LogprobItem]) -> api.ChatLogprobs:
+    def _ready(self, ch: Choice) -> int:
+        # An entry goes out once its bytes are final: the text released covers them (a
+        # partial character or a possible stop string is still held), or the choice ended.
+        if ch.ledger is None:
+            return len(ch.logprobs)
+        return min(len(ch.logprobs), ch.ledger.ready(ch.finish is not None))
+
+    def _logprobs(self, ch: Choice, start: int, end: int) -> api.ChatLogprobs:
+        """Entries ``start:end`` of ``ch``: each token's ``bytes`` are those it adds to the
+        text (kern.token_bytes), the alternatives' their own."""
         content = []
-        for tok, lp, top in entries:
+        for k in range(start, end):
+            tok, lp, top = ch.logprobs[k]
             text, raw = self._display(tok)
+            if ch.ledger is not None:
+                raw = ch.ledger.entry(k)
             tops = []
             for i, v in top:
                 t, b = self._display(i)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kern.server.splitter import Parts, Splitter, ToolCall
+from kern.token_bytes import ByteLedger
 from kern.tokenizer import TextStream
 
 __all__ = ["Choice", "LogprobItem"]
@@ -49,6 +50,8 @@ class Choice:
     split: Splitter | None = None
     reasoning: list[str] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
+    # With logprobs: the bytes each token adds to the text (kern.token_bytes).
+    ledger: ByteLedger | None = None
 
     def parts(self, text: str, final: bool) -> Parts:
         """``text`` split; kept for the whole answer."""
@@ -67,13 +70,23 @@ class Choice:
 
     def feed(self, token: int) -> tuple[str, bool]:
         """The text ``token`` releases, and whether a stop string ended the choice."""
+        text, stopped = self._feed(token)
+        if self.ledger is not None:
+            self.ledger.released(len(text))
+        return text, stopped
+
+    def _feed(self, token: int) -> tuple[str, bool]:
         self.ids.append(token)
         if token in self.stop_tokens and not self.include_stop:
             # It ends the sequence: nothing of it, and no stop string can begin in it.
             self.pieces.append("")
+            if self.ledger is not None:
+                self.ledger.add(token, "", left_out=True)
             return "", False
         piece = self.stream.step(token)
         self.pieces.append(piece)
+        if self.ledger is not None:
+            self.ledger.add(token, piece)
         buf = self.pending + piece
         if not self.stops:
             self.pending = ""
@@ -96,7 +109,11 @@ class Choice:
         buf = self.pending + rest
         self.pending = ""
         cut = self._stop_at(buf)
-        return (buf, False) if cut is None else (cut, True)
+        out = (buf, False) if cut is None else (cut, True)
+        if self.ledger is not None:
+            self.ledger.flush(rest)
+            self.ledger.released(len(out[0]))
+        return out
 
     def _stop_at(self, buf: str) -> str | None:
         """``buf`` up to the first stop string in it (through it with include_stop), or

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from kern.tiktoken_file import KIMI_PATTERN, KIMI_TOKENIZER_CLASS, NUM_SPECIAL_IDS, format_ranks
+from kern.token_bytes import bytes_to_unicode
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -158,23 +159,6 @@ Question: how many tokens does this sentence have? Answer: it depends on the tok
 """
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map used by byte-level BPE."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
-
-
 def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
         [
@@ -189,7 +173,7 @@ def build_tokenizer(vocab_size: int) -> tuple[Tokenizer, dict[str, int]]:
     min_size = 256 + len(SPECIAL_TOKENS)
     if vocab_size < min_size:
         raise ValueError(f"vocab must be at least {min_size} (256 bytes + special tokens)")
-    byte_chars = _bytes_to_unicode()
+    byte_chars = bytes_to_unicode()
     vocab = {byte_chars[b]: b for b in range(256)}
     pre = _pre_tokenizer()
     text = unicodedata.normalize("NFC", _CORPUS)
