@@ -39,7 +39,6 @@ __all__ = [
     "decode",
     "encode",
     "error_body",
-    "openapi",
 ]
 
 # Bounds that keep a request from asking for the impossible before the scheduler sees it. The
@@ -211,7 +210,8 @@ class _Sampling(Struct, kw_only=True):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true - at `$.stream_options`")
         for key in self.logit_bias or {}:
-            if not key.isdigit() or int(key) > 0xFFFFFFFF:
+            # ASCII digits only: str.isdigit() is true of "²" (int() refuses it) and "٧".
+            if not (key.isascii() and key.isdigit()) or int(key) > 0xFFFFFFFF:
                 raise ValueError(
                     f"logit_bias key {echo(key)} is not a token id - at `$.logit_bias`"
                 )
@@ -735,57 +735,3 @@ def encode(value: Any) -> bytes:
 
 def error_body(e: ApiError) -> bytes:
     return _ENCODER.encode(ErrorResponse(ErrorBody(e.message, e.type, e.param, e.code)))
-
-
-_ROUTES: list[tuple[str, str, type | None, type]] = [
-    ("/v1/completions", "post", CompletionRequest, CompletionResponse),
-    ("/v1/chat/completions", "post", ChatCompletionRequest, ChatCompletionResponse),
-    ("/v1/models", "get", None, ModelList),
-    ("/tokenize", "post", TokenizeRequest, TokenizeResponse),
-    ("/detokenize", "post", DetokenizeRequest, DetokenizeResponse),
-]
-
-
-def openapi(requests: tuple[tuple[str, type], ...] = ()) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the routes, its schemas generated from the Structs;
-    ``requests``: more POST routes' (path, request Struct), answered with a JSON object
-    (the agent protocols, whose modules import this one)."""
-    types = [t for _, _, req, resp in _ROUTES for t in (req, resp) if t is not None]
-    types += [ChatCompletionChunk, ErrorResponse, *(t for _, t in requests)]
-    (refs, components) = msgspec.json.schema_components(
-        types, ref_template="#/components/schemas/{name}"
-    )
-    ref = dict(zip(types, refs, strict=True))
-    err = {"content": {"application/json": {"schema": ref[ErrorResponse]}}}
-    paths: dict[str, Any] = {}
-    for path, method, req, resp in _ROUTES:
-        op: dict[str, Any] = {
-            "responses": {
-                "200": {"content": {"application/json": {"schema": ref[resp]}}},
-                "400": err,
-                "401": err,
-            }
-        }
-        if req is not None:
-            op["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": ref[req]}},
-            }
-        paths[path] = {method: op}
-    for path, req in requests:
-        body = {"content": {"application/json": {"schema": ref[req]}}}
-        answer = {"content": {"application/json": {"schema": {"type": "object"}}}}
-        paths[path] = {
-            "post": {
-                "requestBody": {"required": True, **body},
-                "responses": {"200": answer, "400": answer, "401": answer},
-            }
-        }
-    for path in ("/health", "/metrics"):
-        paths[path] = {"get": {"responses": {"200": {"description": "plain text"}}}}
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "kern", "version": "0.1.0"},
-        "paths": paths,
-        "components": {"schemas": components},
-    }
