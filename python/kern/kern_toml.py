@@ -15,6 +15,8 @@ parallel = "tp"                    # with ranks > 1: "tp" (heads and MLP columns
 threads = 2                        # torch intra-op threads (CPU results depend on it)
 reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_content
 tool_parser = "qwen3"              # chat answers' tool calls: "qwen3" (default) or "kimi_k2"
+grammar_timeout = 5                # CPU seconds one response_format / tools grammar may compile
+grammar_max_bytes = "1MiB"         # the largest schema (as JSON) a request may ask to compile
 ```
 
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
@@ -37,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DEFAULT_GRAMMAR_MAX_BYTES",
+    "DEFAULT_GRAMMAR_TIMEOUT",
     "DEFAULT_THREADS",
     "DRAFTERS",
     "TOOL_PARSERS",
@@ -45,6 +49,7 @@ __all__ = [
     "TomlConfigError",
     "check_device",
     "default_dtype",
+    "grammar_timeout",
     "load_toml_config",
     "parse_bytes",
 ]
@@ -53,6 +58,10 @@ __all__ = [
 # rather than os.cpu_count(): CPU float32 results can differ between 1 and 2 threads
 # (docs/invariance.md), so the same command must not give different bits on more cores.
 DEFAULT_THREADS = 2
+# The grammar budgets' defaults (kern.engine.grammar_compile): CPU seconds one compile may
+# take, bytes of a schema (as JSON) a request may ask to compile.
+DEFAULT_GRAMMAR_TIMEOUT = 5.0
+DEFAULT_GRAMMAR_MAX_BYTES = 2**20
 
 _DEVICES = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -82,6 +91,8 @@ _TARGET_KEYS = (
     "threads",
     "reasoning_parser",
     "tool_parser",
+    "grammar_timeout",
+    "grammar_max_bytes",
 )
 # draft values that name no checkpoint: n-gram lookup, the target's own MTP layer (a folder
 # of either name is written "./mtp").
@@ -130,6 +141,10 @@ class Target:
     # The convention chat answers write tool calls in (kern.server.splitter), one of
     # TOOL_PARSERS: Qwen3's <tool_call> blocks, or Kimi K2's tool-calls sections.
     tool_parser: str = TOOL_PARSERS[0]
+    # What a served request's grammar (response_format, tools) may take to compile: CPU
+    # seconds, and bytes of its schema as JSON (kern.engine.grammar_compile).
+    grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT
+    grammar_max_bytes: int = DEFAULT_GRAMMAR_MAX_BYTES
     # The rows this command decodes at (``--rows``, ``KERN_ROWS``); None: the widest declared.
     chosen_rows: int | None = None
     # Where each key was set, for errors: "kern.toml: targets.x.pool_bytes", "--pool-bytes".
@@ -256,8 +271,25 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         threads=_pos_int(table, "threads", where, DEFAULT_THREADS),
         reasoning_parser=parser,
         tool_parser=tool_parser,
+        grammar_timeout=grammar_timeout(
+            table.get("grammar_timeout", DEFAULT_GRAMMAR_TIMEOUT), f"{where}.grammar_timeout"
+        ),
+        grammar_max_bytes=parse_bytes(
+            table.get("grammar_max_bytes", DEFAULT_GRAMMAR_MAX_BYTES),
+            f"{where}.grammar_max_bytes",
+            minimum=1,
+        ),
         origin={key: f"{where}.{key}" for key in _TARGET_KEYS},
     )
+
+
+def grammar_timeout(value: Any, where: str) -> float:
+    """A grammar time budget: a positive, finite number of seconds (0 would refuse every
+    grammar)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not 0 < value < float("inf"):
+        raise TomlConfigError(f"{where}: expected a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def check_device(device: str, where: str) -> None:

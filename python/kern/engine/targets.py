@@ -8,8 +8,9 @@ Design notes
   (``--model DIR``), or is the embedded tiny model. Flags that map one to one to kern.toml keys
   (``--threads``, ``--ranks``; ``kern serve`` also ``--dtype``, ``--device``, ``--pool-bytes``,
   ``--host-bytes``, ``--page-tokens``, ``--reasoning-parser``, ``--tool-call-parser``, whose
-  key is ``tool_parser``) override the file's value. Every key remembers what set it
-  (``Target.origin``), so an error names the file and key, or the flag.
+  key is ``tool_parser``, ``--grammar-timeout``, ``--grammar-max-bytes``) override the file's
+  value. Every key remembers what set it (``Target.origin``), so an error names the file and
+  key, or the flag.
 * A key kern does not implement for the command is refused, never ignored: ``ranks`` above 1
   for a model ``parallel`` does not split (kern.engine.ranks.shard) or on too few CUDA devices,
   and a draft checkpoint kern cannot run beside the target (kern.engine.draft: another tokenizer or
@@ -63,6 +64,8 @@ FLAGS = {
     "reasoning_parser": "--reasoning-parser",
     "tool_parser": "--tool-call-parser",
     "draft": "--draft",
+    "grammar_timeout": "--grammar-timeout",
+    "grammar_max_bytes": "--grammar-max-bytes",
 }
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 from typing import TypeVar
 
 from kern.engine.params import SamplingParams
 from kern.engine.request import LimitError, Request
 from kern.engine.scheduler import Scheduler
-from kern.engine.structured import Grammars, StructuredOutputError
+from kern.engine.structured import Grammars, GrammarUnavailable, Source, StructuredOutputError
 from kern.server import api
 from kern.server.api import ApiError
 from kern.server.http import Marker, Receive, Send, respond
@@ -248,48 +249,47 @@ class OpenAI:
                 "response_format cannot go with tools unless tool_choice is 'none'",
                 param="response_format",
             )
+        if tools:
+            assert isinstance(body, api.ChatCompletionRequest) and body.tools is not None
+            specs = [
+                {"name": t.function.name, "parameters": t.function.parameters} for t in body.tools
+            ]
+            choice, parallel = body.tool_choice_name(), body.parallel_tool_calls is not False
+            source: Callable[[], Source | None] = partial(
+                self.grammars.tools_source, specs, choice, parallel, think, self.tool_parser
+            )
+        elif fmt is None:
+            return None
+        else:
+            source = partial(self.grammars.source, fmt, think)
+
+        def submit() -> Future[object] | None:
+            what = source()
+            return None if what is None else self.grammars.submit(what)
+
         try:
-            if tools:
-                assert isinstance(body, api.ChatCompletionRequest) and body.tools is not None
-                specs = [
-                    {"name": t.function.name, "parameters": t.function.parameters}
-                    for t in body.tools
-                ]
-                compiled = await asyncio.to_thread(
-                    self.grammars.compile_tools,
-                    specs,
-                    body.tool_choice_name(),
-                    body.parallel_tool_calls is not False,
-                    think,
-                    self.tool_parser,
-                )
-            elif fmt is None:
-                return None
-            else:
-                compiled = await asyncio.to_thread(self.grammars.compile, fmt, think)
+            # The source is built (and its size checked) off the event loop; the compile runs
+            # in the compiler process (kern.engine.grammar_compile), waited on without a thread.
+            future = await asyncio.to_thread(submit)
+            compiled = None if future is None else await asyncio.wrap_future(future)
         except StructuredOutputError as e:
             param = "tools" if tools else "response_format"
             raise ApiError(400, f"{param}: {e}", param=param) from None
+        except GrammarUnavailable as e:
+            raise ApiError(503, str(e), type="server_error") from None
         what = "tools" if tools else "a JSON response_format"
-        if compiled is not None and body.ignore_eos:
-            raise ApiError(
-                400,
-                f"ignore_eos cannot go with {what}: the grammar ends the answer",
-                param="ignore_eos",
-            )
-        if compiled is not None and body.min_tokens:
-            raise ApiError(
-                400,
-                f"min_tokens cannot go with {what}: the grammar decides where the answer ends",
-                param="min_tokens",
-            )
-        if compiled is not None and body.allowed_token_ids is not None:
-            # Two masks whose intersection may be empty: nothing left to sample.
-            raise ApiError(
-                400,
-                f"allowed_token_ids cannot go with {what}: the grammar decides what may come",
-                param="allowed_token_ids",
-            )
+        # allowed_token_ids: two masks whose intersection may be empty, nothing left to sample.
+        for param, given, why in (
+            ("ignore_eos", body.ignore_eos, "the grammar ends the answer"),
+            ("min_tokens", body.min_tokens, "the grammar decides where the answer ends"),
+            (
+                "allowed_token_ids",
+                body.allowed_token_ids is not None,
+                "the grammar decides what may come",
+            ),
+        ):
+            if compiled is not None and given:
+                raise ApiError(400, f"{param} cannot go with {what}: {why}", param=param)
         return compiled
 
     def _sampling(self, body: Body, seed: int | None) -> SamplingParams:
