@@ -13,6 +13,9 @@ Sections:
   decode tokens/s at batch 1, 8, 64 beside the HBM roofline (weight + KV bytes read per step
   over the copy bandwidth) and transformers' ``generate`` on the same weights; prefill
   tokens/s of one 2,048-token prompt.
+* ``graphs``: the decode step's CUDA graphs on the ~0.6B: a real row's logits bits padded
+  to each captured size against eager, the capture time, ms/step eager and replayed at
+  batch 1, 8, 64.
 
 ``--small`` shrinks every size to the CPU (Triton interpreter, the CPU backend): what CI runs
 so that the script does not rot. Its figures mean nothing.
@@ -387,11 +390,19 @@ def _prefill(path: Path, tokens: int, small: bool) -> float:
     return tokens / seconds
 
 
+def section_graphs(args) -> dict:
+    # tools/gpu/bench_graphs.py (this folder is the script's, so on sys.path)
+    from bench_graphs import section_graphs as graphs
+
+    return graphs(args)
+
+
 SECTIONS = {
     "env": section_env,
     "copy": section_copy,
     "gemm": section_gemm,
     "decode": section_decode,
+    "graphs": section_graphs,
 }
 
 

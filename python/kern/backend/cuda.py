@@ -9,6 +9,9 @@ Design notes
 * Linears go through ``kern.kernels.matmul`` (tile fixed by the weight's shape), not cuBLAS,
   whose kernel and split-K depend on the row count: a row's bits must not depend on its
   batch (the identity promise).
+* Decode steps can be captured as CUDA graphs (kern.engine.cuda_graphs): their attention
+  plan (:meth:`CudaOps.plan_decode_attention`) reads static buffers, and nothing in a
+  dense layer reads a device value back to the host.
 * Each kernel module is looked up by :meth:`CudaOps._kernel`, so the same wiring serves the
   torch reference path (:class:`kern.backend.reference.ReferenceOps`), whose kernels have
   the same signatures.
@@ -134,6 +137,23 @@ class CudaOps:
             seq_lens=torch.tensor(step.ctx_lens, dtype=torch.int32, device=dev),
             query_start_loc=_query_start_loc(step, dev),
             tiles=tiles(_starts(step), group, dev) if tiles is not None else None,
+        )
+
+    def plan_decode_attention(
+        self, block_tables: Tensor, seq_lens: Tensor, num_seqs: int, group: int
+    ):
+        """:meth:`plan_attention` for a captured decode step (kern.engine.cuda_graphs): one
+        row per sequence, ``block_tables`` [B, W] and ``seq_lens`` [B] int32 static device
+        buffers the graph reads at replay; what is made here (the tiles) is fixed by B, and
+        is made before the capture (a host-to-device copy cannot be captured)."""
+        dev = self.device
+        starts = list(range(num_seqs + 1))
+        tiles = getattr(self._attn, "attention_tiles", None)
+        return _CudaAttentionPlan(
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            tiles=tiles(starts, group, dev) if tiles is not None else None,
         )
 
     def attention(self, step: Step, q: Tensor, kv_cache: Tensor, scale: float) -> Tensor:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -55,6 +56,9 @@ from kern.engine.layout import Layout
 from kern.models import Caches, build_model
 from kern.pool import CopyPlan
 from kern.rope import rope_frequencies
+
+if TYPE_CHECKING:
+    from kern.engine.cuda_graphs import DecodeGraphs
 
 __all__ = ["Runner"]
 
@@ -112,6 +116,8 @@ class Runner:
         # Opt-in: the last forward's post-final-norm hidden rows [T, hidden] (see the notes).
         self.keep_hidden = False
         self.hidden: Tensor | None = None
+        # Captured decode steps (kern.engine.cuda_graphs.DecodeGraphs), set after start-up.
+        self.graphs: DecodeGraphs | None = None
 
     @classmethod
     def with_pages(
@@ -169,6 +175,14 @@ class Runner:
         Raises ``ValueError`` for a malformed batch (before touching any memory).
         """
         validate(batch, self.page_tokens, self.num_pages, self.stateful, self.num_slots)
+        # A decode batch the captured graphs take (kern.engine.cuda_graphs); else eager.
+        if self.graphs is not None and (logits := self.graphs.run(batch)) is not None:
+            return logits
+        return self.forward_eager(batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: Sequence[SeqChunk]) -> Tensor:
+        """:meth:`forward` without the graphs, on a batch already validated."""
         step = build_step(batch, self.page_tokens, self.device)
         c = self.config
         attention = None
