@@ -297,8 +297,10 @@ def test_twelve_concurrent_identical(server, ckpt):
 
 
 def test_hang_up_mid_stream_frees(server, ckpt):
-    before = server.metrics()["kern_aborted_total"]
-    body = {"model": MODEL, "prompt": "hang up", "max_tokens": 4000, "stream": True}
+    # Read once idle (an earlier test's abort lands before), and wait for the abort itself:
+    # idle_metrics gives up after 10 s, which under load read as "the abort never came".
+    before = server.idle_metrics()
+    body = {"model": MODEL, "prompt": "hang up", "max_tokens": 8000, "stream": True}
     body.update(temperature=0, ignore_eos=True)
     with server.http.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
@@ -308,8 +310,19 @@ def test_hang_up_mid_stream_frees(server, ckpt):
                 got += 1
                 if got == 3:
                     break
+    _wait_for(
+        lambda m: (
+            m["kern_aborted_total"] > before["kern_aborted_total"]
+            and m["kern_num_requests_running"] == 0
+        ),
+        server,
+        timeout=60,
+    )
     m = server.idle_metrics()
-    assert m["kern_aborted_total"] == before + 1
+    assert m["kern_aborted_total"] == before["kern_aborted_total"] + 1
+    # Cut short, not run to its end for nobody.
+    made = m["kern_generation_tokens_total"] - before["kern_generation_tokens_total"]
+    assert made < 8000
     server.assert_no_leak()
 
 

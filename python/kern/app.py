@@ -25,15 +25,18 @@ from kern.checkpoint import sampling_defaults
 from kern.engine.load import Engine
 from kern.engine.request import Event, Request
 from kern.engine.scheduler import Scheduler, start_scheduler
-from kern.engine.structured import Grammars
+from kern.engine.structured import GrammarBudget, Grammars
 from kern.kern_toml import Target
 from kern.metrics import Metrics
-from kern.server import anthropic_messages, api, openai_responses
+from kern.server import anthropic_messages, api, heap, openai_responses, openapi
 from kern.server.api import ApiError
 from kern.server.cors import Cors
+from kern.server.drain import retry_elsewhere
+from kern.server.hangup import StepGate
 from kern.server.http import JSON, Disconnected, Receive, Scope, Send, respond
 from kern.server.logs import RECORD, RequestRecord, StatsLine, request_id
 from kern.server.openai import OpenAI
+from kern.server.request_head import check_framing
 from kern.server.settings import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Settings
 from kern.server.startup import exit_failed_start
 
@@ -73,8 +76,16 @@ class App:
         # Browser clients' origins (kern.server.cors); None: CORS is off.
         self.cors: Cors | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # How far the scheduler may run ahead of the loop (kern.server.hangup).
+        self.gate = StepGate()
         self.draining = False
+        # Requests admitted and not yet answered; ``idle`` is set when there are none
+        # (kern.server.drain waits on it).
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
         self._stats_task: asyncio.Task[None] | None = None
+        self._trim_task: asyncio.Task[None] | None = None
         self._routes: dict[str, tuple[str, Handler]] = {
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
@@ -114,11 +125,13 @@ class App:
                     assert self.metrics is not None
                     stats = StatsLine(self.metrics, self.settings.stats_interval)
                     self._stats_task = self.loop.create_task(stats.run())
+                self._trim_task = self.loop.create_task(heap.trim_forever())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self.drain()
-                if self._stats_task is not None:
-                    self._stats_task.cancel()
+                for task in (self._stats_task, self._trim_task):
+                    if task is not None:
+                        task.cancel()
                 if self.scheduler is not None:
                     await asyncio.to_thread(self.scheduler.stop)
                 await send({"type": "lifespan.shutdown.complete"})
@@ -154,7 +167,12 @@ class App:
         self.openai = OpenAI(
             scheduler,
             tokenizer,
-            Grammars(tokenizer, config.vocab_size),
+            # Compiled in a process of their own, within the target's budgets.
+            Grammars(
+                tokenizer,
+                config.vocab_size,
+                GrammarBudget(target.grammar_timeout, target.grammar_max_bytes),
+            ),
             model_name=target.name,
             aliases=self.settings.served_model_names,
             vocab_size=config.vocab_size,
@@ -176,10 +194,11 @@ class App:
             self.openai.shut_down()
 
     def _deliver(self, events: list[tuple[Request, Event]]) -> None:
-        """From the scheduler thread, once per step."""
+        """From the scheduler thread, once per step; held while the event loop is
+        ``StepGate.ahead`` steps behind, so a hang-up costs a bounded number of steps."""
         loop = self.loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(_dispatch, events)
+            self.gate.deliver(loop, _dispatch, events)
 
     def _crashed(self, e: BaseException) -> None:
         print(
@@ -206,7 +225,10 @@ class App:
                 message = {**message, "headers": [*message.get("headers", ()), *tags]}
             await send(message)
 
+        counted = False
         try:
+            # Before anything reads the body: a body framed two ways is refused outright.
+            check_framing(scope)
             # A CORS preflight before the key: browsers never send it on one.
             if self.cors is not None:
                 preflight = self.cors.preflight(scope["method"], scope["headers"])
@@ -238,13 +260,21 @@ class App:
             if self.scheduler is None:
                 raise ApiError(503, "the model is loading", type="server_error")
             if self.draining and path != "/metrics":
-                raise ApiError(503, "the server is shutting down", type="server_error")
+                raise ApiError(
+                    503,
+                    "the server is shutting down",
+                    type="server_error",
+                    headers=retry_elsewhere(scope),
+                )
             if self.scheduler.failed is not None and path != "/metrics":
                 raise ApiError(
                     503, "the server is shutting down (its scheduler failed)", type="server_error"
                 )
             if method == "POST":
                 _require_json(scope)
+            counted = True
+            self.inflight += 1
+            self.idle.clear()
             await handler(scope, receive, send_tagged)
         except ApiError as e:
             record.error = e.message
@@ -258,6 +288,10 @@ class App:
             await respond(send_tagged, 500, _error_body(path, err))
         finally:
             record.log()
+            if counted:
+                self.inflight -= 1
+                if not self.inflight:
+                    self.idle.set()
 
     def _authorize(self, scope: Scope) -> None:
         assert self.api_key is not None
@@ -361,12 +395,7 @@ class App:
         await respond(send, 200, api.encode({"version": __version__}))
 
     async def _openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
-        agents = (
-            ("/v1/messages", anthropic_messages.MessagesRequest),
-            ("/v1/messages/count_tokens", anthropic_messages.CountTokensRequest),
-            ("/v1/responses", openai_responses.ResponsesRequest),
-        )
-        await respond(send, 200, api.encode(api.openapi(agents)))
+        await respond(send, 200, api.encode(openapi.document()))
 
 
 def _error_body(path: str, e: ApiError) -> bytes:
@@ -386,6 +415,7 @@ def _require_json(scope: Scope) -> None:
     """POST bodies are JSON, and say so: a form or ``text/plain`` POST is what a web page can
     send cross-site without a CORS preflight, so accepting it would let any page drive a
     server that has no key."""
+    sent = "none"
     for k, v in scope["headers"]:
         if k == b"content-type":
             media = v.split(b";", 1)[0].strip().lower()
@@ -393,10 +423,12 @@ def _require_json(scope: Scope) -> None:
                 media.startswith(b"application/") and media.endswith(b"+json")
             ):
                 return
+            sent = api.echo(media.decode("latin-1"))
             break
+    # Whatever the HTTP version (1.0 included): a probe that sends no Content-Type gets this.
     raise ApiError(
         415,
-        "a POST body must be JSON sent with Content-Type: application/json",
+        f"a POST body must be JSON sent with Content-Type: application/json (got {sent})",
         code="unsupported_media_type",
     )
 

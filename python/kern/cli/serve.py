@@ -12,9 +12,10 @@ Design notes
 * The socket is bound but not listening while the model loads: a client is refused then, never
   left connected to a server that cannot answer yet. It listens just before the start-up line
   is logged, so a client that reads "listening on" can connect at once.
-* Shutdown: the first SIGTERM or SIGINT drains the app (open streams end with ``abort`` and
-  ``[DONE]``, requests waiting for a whole answer get a 503; see kern.app) and then asks
-  hypercorn to stop, which closes idle connections at once. The process exits 0.
+* Shutdown (kern.server.drain): the first SIGTERM or SIGINT turns new requests and ``/health``
+  into 503s and lets the requests in flight finish, for ``--shutdown-timeout`` seconds at
+  most (then they end with ``abort``); a second signal aborts them at once. Then hypercorn
+  stops, closing idle connections at once. The process exits 0.
 * Binds loopback unless told otherwise: an API without a key must not face a network by default.
 * ``hypercorn kern.app:app`` serves the same app, configured from the environment
   (``kern.server.settings.Settings.from_env``), with hypercorn's own start-up and signal handling.
@@ -129,6 +130,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "qwen3's <tool_call> blocks or kimi_k2's tool-calls sections (default: qwen3)",
     )
     keys.add_argument(
+        "--grammar-timeout",
+        type=argtypes.seconds,
+        metavar="SECONDS",
+        help="CPU seconds a request's response_format or tools grammar may take to compile, "
+        "in a process of its own; past it the compile is killed and the request gets a 400 "
+        "(default 5)",
+    )
+    keys.add_argument(
+        "--grammar-max-bytes",
+        type=argtypes.byte_size(1),
+        metavar="BYTES",
+        help="the largest schema (as JSON) or tool list a request may ask to compile; a larger "
+        "one is a 400 (default 1MiB)",
+    )
+    keys.add_argument(
         "--draft",
         metavar="DRAFT",
         help="the drafter at rows > 1: ngram, mtp (a deepseek_v3 checkpoint's own MTP layer) "
@@ -141,6 +157,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="positions a decode step verifies per sequence: the last token and R - 1 drafts "
         "(n-gram, the target's draft checkpoint or its MTP layer); one of the target's "
         "declared rows (default: its widest; 1: plain decoding)",
+    )
+    keys.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode steps op by op instead of replaying the CUDA graphs "
+        "captured at start-up (refused on the CPU, which never captures)",
     )
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -173,6 +195,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="time a client has to send a request body whole (default 30)",
     )
+    net.add_argument(
+        "--shutdown-timeout",
+        type=argtypes.seconds,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, the time requests in flight get to finish while new ones get "
+        "a 503; what is left then ends with finish_reason abort (default: "
+        "KERN_SHUTDOWN_TIMEOUT, else 25; a second signal stops at once)",
+    )
     log_args = p.add_argument_group("logs")
     log_args.add_argument("--log-level", choices=logs.LEVELS, default="info", help="default info")
     log_args.add_argument(
@@ -196,6 +226,10 @@ def run(args: argparse.Namespace) -> int:
     logs.configure(args.log_level)
     names = served_names(args.served_model_name or [], "--served-model-name")
     origins = parse_origins(args.allowed_origins or [], "--allowed-origins")
+    if args.grammar_timeout == 0:
+        raise UsageError(
+            "--grammar-timeout 0: no grammar could compile; give the CPU seconds one may take"
+        )
     selection = select(
         config=args.config,
         target=args.target,
@@ -206,6 +240,11 @@ def run(args: argparse.Namespace) -> int:
         serving=True,
     )
     target = selection.target
+    if args.enforce_eager and not target.device.startswith("cuda"):
+        raise UsageError(
+            f"--enforce-eager: device {target.device} never captures CUDA graphs "
+            "(the flag applies to --device cuda)"
+        )
     max_len = args.max_model_len
     if max_len is not None:
         check_max_model_len(max_len, selection.config, f"--max-model-len {max_len}")
@@ -213,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     template = None if file is None else read_chat_template(file, f"--chat-template {file}")
     # The app imports the engine and torch: only once the target is known to be runnable.
     from kern.app import App
-    from kern.server.settings import Settings, api_key
+    from kern.server.settings import Settings, api_key, shutdown_timeout
 
     key = api_key(args.api_key, args.api_key_file)
     if args.api_key is not None:
@@ -230,6 +269,11 @@ def run(args: argparse.Namespace) -> int:
             target=target,
             api_key=key,
             body_timeout=args.body_timeout,
+            shutdown_timeout=(
+                shutdown_timeout(os.environ)
+                if args.shutdown_timeout is None
+                else args.shutdown_timeout
+            ),
             log_prompts=args.log_prompts,
             stats_interval=args.stats_interval,
             max_model_len=max_len,
@@ -241,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with _interrupts_raise():
             engine = app.start()
-            summary = _summary(target, selection.config.model_type, engine, app, sock)
+            graphs = _graphs(engine, app, args.enforce_eager)
+            summary = _summary(target, selection.config.model_type, engine, app, sock, graphs)
             _serve(app, sock, args, summary)
     except KeyboardInterrupt:
         log.info("stopped before serving")
@@ -255,7 +300,25 @@ def run(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-def _summary(target: Target, family: str, engine: Engine, app: App, sock: socket.socket) -> str:
+def _graphs(engine: Engine, app: App, eager: bool) -> str:
+    """The decode steps' CUDA graphs, captured now (the scheduler idle, nothing listening);
+    the start-up line's words for them ("" on the CPU)."""
+    if engine.runner.device.type != "cuda":
+        return ""
+    if eager:
+        return "; decode eager (--enforce-eager)"
+    from kern.engine.cuda_graphs import start_graphs
+
+    assert app.scheduler is not None
+    max_len = app.settings.max_model_len if app.settings is not None else None
+    return "; decode " + start_graphs(
+        engine, app.scheduler, max_len=max_len or app.scheduler.max_model_len
+    )
+
+
+def _summary(
+    target: Target, family: str, engine: Engine, app: App, sock: socket.socket, graphs: str = ""
+) -> str:
     from kern import __version__
 
     stats = engine.cache.stats()
@@ -278,7 +341,7 @@ def _summary(target: Target, family: str, engine: Engine, app: App, sock: socket
         "KV pool "
         f"{app.scheduler.max_pages} pages x {target.page_tokens} tokens, "
         f"{stats.slot_capacity} state slots ({device_arena / mib:.1f} MiB); host tier "
-        f"{stats.host_pages_free} pages ({host_arena / mib:.1f} MiB){_linears(target)}; "
+        f"{stats.host_pages_free} pages ({host_arena / mib:.1f} MiB){_linears(target)}{graphs}; "
         f"listening on http://{host}:{port}"
     )
 
@@ -333,18 +396,14 @@ def _serve(app: App, sock: socket.socket, args: argparse.Namespace, summary: str
         logging.getLogger(name).propagate = False
 
     async def main() -> None:
+        from kern.server.drain import Drain
+
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
-
-        def on_signal(sig: signal.Signals) -> None:
-            if stop.is_set():
-                return
-            log.info("%s: draining and stopping", sig.name)
-            app.drain()
-            stop.set()
-
+        assert app.settings is not None
+        drain = Drain(app, app.settings.shutdown_timeout, stop)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal, sig)
+            loop.add_signal_handler(sig, drain.on_signal, sig)
         # Listening from here (a client that connects now waits in the backlog for hypercorn
         # to accept), and a signal drains: only now is the start-up line true.
         sock.listen(config.backlog)

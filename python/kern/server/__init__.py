@@ -40,10 +40,14 @@ Design notes
   is one line and exit 2, and the start-up line can describe what loaded); under plain
   hypercorn the lifespan startup calls it, and a failure there ends the process the same way
   (one line, exit 2; kern.server.startup). The handlers are built from what it loaded.
-* Shutdown is ``App.drain``, on the event loop: no new request is admitted (503), every
-  open stream gets a final ``abort`` chunk and ``[DONE]``, and every request still waiting
-  for a whole answer gets a 503 in the error shape. ``kern serve`` drains on SIGTERM/SIGINT
-  before hypercorn closes the connections; the lifespan shutdown drains as well.
+* Shutdown: ``kern serve`` drains on SIGTERM/SIGINT (``drain``): new requests get a 503
+  with ``Retry-After``, those in flight finish within ``--shutdown-timeout``, and what is left
+  then ends with ``abort`` (a stream's last chunk, or a whole answer so far). The lifespan
+  shutdown ends whatever is still open the same way (``App.drain``).
+* A hang-up costs a bounded number of steps whatever the load: the scheduler runs at most
+  two steps ahead of the event loop (``hangup``).
+* A request whose body is framed two ways is a 400 before anything reads it
+  (``request_head``).
 * Every HTTP request carries an id, ``X-Request-Id`` from the client or made here, echoed in
   the response and in the one log line a generation request ends with (kern.server.logs). A stats
   line is logged every ``stats_interval`` seconds while there is work.

@@ -11,7 +11,14 @@ from pathlib import Path
 
 from kern.engine.targets import Selection, select
 from kern.errors import UsageError
-from kern.kern_toml import REASONING_PARSERS, TOOL_PARSERS, Target
+from kern.kern_toml import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    Target,
+    TomlConfigError,
+    grammar_timeout,
+    parse_bytes,
+)
 from kern.model_config import ModelConfig
 from kern.server import logs
 from kern.server.cors import parse_origins
@@ -20,12 +27,14 @@ from kern.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
     "DEFAULT_STATS_INTERVAL",
     "Settings",
     "api_key",
     "check_max_model_len",
     "read_chat_template",
     "served_names",
+    "shutdown_timeout",
 ]
 
 log = logging.getLogger("kern")
@@ -33,6 +42,9 @@ log = logging.getLogger("kern")
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_STATS_INTERVAL = 10.0
 DEFAULT_BODY_TIMEOUT = 30.0
+# Seconds the requests in flight get to finish after SIGTERM (kern.server.drain): inside
+# Kubernetes' default terminationGracePeriodSeconds (30), after which it sends SIGKILL.
+DEFAULT_SHUTDOWN_TIMEOUT = 25.0
 
 
 @dataclass
@@ -49,6 +61,8 @@ class Settings:
     stats_interval: float = DEFAULT_STATS_INTERVAL
     # Seconds a client has to send a request body whole.
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    # Seconds ``kern serve`` lets the requests in flight finish after SIGTERM/SIGINT.
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     # The context a request may fill, prompt and answer (checked: at most the model's
     # max_position_embeddings); None: the model's.
     max_model_len: int | None = None
@@ -80,9 +94,11 @@ class Settings:
         """``KERN_CONFIG`` + ``KERN_TARGET`` (a kern.toml target) or ``KERN_MODEL`` (a
         checkpoint folder), ``KERN_ROWS`` (as ``kern serve --rows``), ``KERN_API_KEY``,
         ``KERN_MAX_BODY_BYTES``, ``KERN_LOG_LEVEL``, ``KERN_LOG_PROMPTS``,
-        ``KERN_STATS_INTERVAL``, ``KERN_REASONING_PARSER``, ``KERN_TOOL_CALL_PARSER``,
+        ``KERN_STATS_INTERVAL``, ``KERN_SHUTDOWN_TIMEOUT``, ``KERN_REASONING_PARSER``,
+        ``KERN_TOOL_CALL_PARSER``,
         ``KERN_ALLOW_UNKNOWN_FIELDS``, ``KERN_MAX_MODEL_LEN``, ``KERN_CHAT_TEMPLATE`` (a file),
-        ``KERN_SERVED_MODEL_NAME`` and ``KERN_ALLOWED_ORIGINS`` (comma-separated). Raises
+        ``KERN_SERVED_MODEL_NAME``, ``KERN_ALLOWED_ORIGINS`` (comma-separated),
+        ``KERN_GRAMMAR_TIMEOUT`` and ``KERN_GRAMMAR_MAX_BYTES`` (as their flags). Raises
         ``UsageError`` naming the variable."""
         env = os.environ
         names: tuple[str, ...] = ()
@@ -120,6 +136,7 @@ class Settings:
                     setattr(out, attr, kind(env[var]))
                 except ValueError:
                     raise UsageError(f"{var}={env[var]!r} is not a number") from None
+        out.shutdown_timeout = shutdown_timeout(env)
         out.log_prompts = env.get("KERN_LOG_PROMPTS", "") not in ("", "0")
         out.allow_unknown_fields = env.get("KERN_ALLOW_UNKNOWN_FIELDS", "") not in ("", "0")
         level = env.get("KERN_LOG_LEVEL", "info").lower()
@@ -128,6 +145,21 @@ class Settings:
         if not log.handlers:
             logs.configure(level)
         return out
+
+
+def shutdown_timeout(env: Mapping[str, str]) -> float:
+    """``KERN_SHUTDOWN_TIMEOUT`` (seconds >= 0), else :data:`DEFAULT_SHUTDOWN_TIMEOUT`; a
+    :class:`UsageError` naming the variable."""
+    text = env.get("KERN_SHUTDOWN_TIMEOUT")
+    if text is None:
+        return DEFAULT_SHUTDOWN_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise UsageError(f"KERN_SHUTDOWN_TIMEOUT={text!r} is not a number of seconds >= 0")
+    return value
 
 
 def _select(env: Mapping[str, str], served_name: str | None) -> Selection:
@@ -156,12 +188,34 @@ def _select(env: Mapping[str, str], served_name: str | None) -> Selection:
         config=Path(config) if config else None,
         target=name or None,
         model=Path(model) if model else None,
-        overrides={"reasoning_parser": parser, "tool_parser": tools},
+        overrides={"reasoning_parser": parser, "tool_parser": tools, **_grammar_budget(env)},
         rows=rows,
         rows_flag="KERN_ROWS",
         served_name=served_name,
         serving=True,
     )
+
+
+def _grammar_budget(env: Mapping[str, str]) -> dict[str, float | int]:
+    """The grammar budgets ``KERN_GRAMMAR_TIMEOUT`` and ``KERN_GRAMMAR_MAX_BYTES`` set, as
+    kern.toml keys (kern.engine.grammar_compile); a :class:`UsageError` naming the variable."""
+    out: dict[str, float | int] = {}
+    if "KERN_GRAMMAR_TIMEOUT" in env:
+        text = env["KERN_GRAMMAR_TIMEOUT"]
+        try:
+            out["grammar_timeout"] = grammar_timeout(float(text), "KERN_GRAMMAR_TIMEOUT")
+        except (ValueError, TomlConfigError):
+            raise UsageError(
+                f"KERN_GRAMMAR_TIMEOUT={text!r} is not a positive number of seconds"
+            ) from None
+    if "KERN_GRAMMAR_MAX_BYTES" in env:
+        text = env["KERN_GRAMMAR_MAX_BYTES"]
+        value = int(text) if text.isdigit() else text
+        try:
+            out["grammar_max_bytes"] = parse_bytes(value, "KERN_GRAMMAR_MAX_BYTES", minimum=1)
+        except TomlConfigError as e:
+            raise UsageError(str(e)) from None
+    return out
 
 
 def check_max_model_len(value: int, config: ModelConfig, what: str) -> int:
