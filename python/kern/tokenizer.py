@@ -47,6 +47,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kern.model_config import CheckpointError
 from kern.tiktoken_file import TIKTOKEN_FILE, missing_tokenizer_error, tiktoken_backend
+from kern.token_bytes import bytes_to_unicode
 
 __all__ = ["ChatTemplateError", "TextStream", "Tokenizer", "compile_chat_template"]
 
@@ -377,15 +378,7 @@ def _byte_level_table(backend: tokenizers.Tokenizer) -> dict[str, int]:
     kinds = {spec.get("type")} | {d.get("type") for d in spec.get("decoders") or []}
     if "ByteLevel" not in kinds:
         return {}
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = list(keep)
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _read_template(path: Path, config: dict[str, Any], config_file: Path) -> str | None:
