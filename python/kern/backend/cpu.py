@@ -16,7 +16,9 @@ Design notes
     in 5-7 and 9-11 (it splits M across threads), though on the earlier host they held for
     4 <= M <= 128. It stays only as the fallback where oneDNN's rows do not hold: ``w``
     transposed ([in, out]), tiles of at most ``ROW_TILE`` rows, each padded to ``MIN_ROWS``
-    (12: no M from 12 to 128 changed a row's bits on any host measured).
+    (32: on AMD EPYC hosts no M from 12 to 128 changed a row's bits, but on an Intel Xeon
+    host at 2 threads MKL switched kernels between 16 and 17 rows at N = 384-640, K >=
+    1536, and held from 17 to 128 at every shape measured).
   - ``torch.sigmoid``, ``F.silu`` and ``F.softplus`` are not batch invariant on the CPU
     (their scalar tail loop and vectorized body differ by an ulp); sigmoid, silu and
     softplus are composed from exp, log1p and division instead (``kern.kernels.pointwise``,
@@ -45,9 +47,10 @@ from kern.kernels.pointwise import sigmoid, silu, softplus
 from kern.kernels.rotary import reference as _rotary_ref
 
 # The fallback ``x @ w`` path (see the notes above): tiles of at most ROW_TILE rows (rows
-# kept their bits up to 128 on the earlier host, not always past 160), padded to MIN_ROWS.
+# kept their bits up to 128 on every host, not always past 160), padded to MIN_ROWS (rows
+# changed between 16 and 17 on an Intel Xeon host: see the notes above).
 ROW_TILE = 128
-MIN_ROWS = 12
+MIN_ROWS = 32
 # oneDNN's rows differ between M = 1 and M >= 2, so a single row is padded to this many.
 ONEDNN_MIN_ROWS = 2
 
@@ -119,7 +122,7 @@ class CpuOps:
         if m == 0:
             out = x.new_empty(0, w.out_features)
         elif w.onednn:
-            out = _pad_rows(x, ONEDNN_MIN_ROWS, lambda a: _onednn(a, w.weight))
+            out = _pad_rows(x, onednn_rows(m), lambda a: _onednn(a, w.weight))
         elif m <= ROW_TILE:
             out = _pad_rows(x, MIN_ROWS, lambda a: a @ w.weight)
         else:
@@ -278,6 +281,18 @@ class CpuOps:
 
 def _onednn(x: Tensor, packed: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+
+
+def onednn_rows(m: int) -> int:
+    """The rows oneDNN runs ``m`` rows as: ``m`` up to 64 (decode batches; one row padded to
+    :data:`ONEDNN_MIN_ROWS`), else ``m`` rounded up to 16 (to 512) or 64. oneDNN caches a
+    primitive per row count (up to 1,024): prefill chunks of every length grew a process by
+    229 MiB for 400 row counts of one 1024 x 256 weight, 40 MiB when rounded so. A row's bits
+    are the same at every row count from 2 (the probe's condition), so rounding moves none."""
+    if m <= 64:
+        return max(m, ONEDNN_MIN_ROWS)
+    step = 16 if m <= 512 else 64
+    return -(-m // step) * step
 
 
 def _pad_rows(x: Tensor, min_rows: int, fn) -> Tensor:
