@@ -85,7 +85,9 @@ def _parts_add_up(host_rows: dict[str, list[str]]) -> None:
         assert wall > 0 and ops > 0 and _num(host_rows["torch calls from Python"][col]) > 10
         assert wall - ops == pytest.approx(host, abs=0.003)
         fixed = next(v for k, v in host_rows.items() if k.startswith("of the ops: calls x"))
-        assert 0 < _num(fixed[col]) <= ops
+        # A separate timing (calls x a 1-element add's cost): on a loaded machine it can
+        # exceed the ops it estimates, so only its presence is checked, not its size.
+        assert _num(fixed[col]) > 0
         parts = sum(_num(v[col]) for k, v in host_rows.items() if k.startswith("host: "))
         assert parts == pytest.approx(host, abs=0.006)
 

@@ -130,7 +130,11 @@ class Workload:
             base_url=url,
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=30),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            # Idle connections dropped before hypercorn's 5 s keep-alive timeout: at equal
+            # timeouts a POST can go out on a connection the server is closing (a client race).
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0
+            ),
         )
         self.bad = _bad_bodies(model)
         self.openings = [self._text(40 + 20 * i) for i in range(8)]
