@@ -130,8 +130,8 @@ class Workload:
             base_url=url,
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=30),
-            # Idle connections dropped before hypercorn's 5 s keep-alive timeout: at equal
-            # timeouts a POST can go out on a connection the server is closing (a client race).
+            # Idle connections dropped well before kern serve's 10 s keep-alive timeout: at
+            # equal timeouts a POST can go out on a connection the server is closing.
             limits=httpx.Limits(
                 max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0
             ),

@@ -53,6 +53,9 @@ GRACEFUL_SECONDS = 1.0
 # Connections the kernel queues before hypercorn accepts them. hypercorn's 100 overflowed at
 # 256 concurrent clients (a client saw a ReadError); Linux caps it at net.core.somaxconn.
 BACKLOG = 4096
+# Idle keep-alive seconds: hypercorn's 5 equals httpx's (the openai client's) keepalive_expiry,
+# so a client could send on a connection the server is closing ("Server disconnected").
+KEEP_ALIVE_SECONDS = 10.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -269,11 +272,7 @@ def run(args: argparse.Namespace) -> int:
             target=target,
             api_key=key,
             body_timeout=args.body_timeout,
-            shutdown_timeout=(
-                shutdown_timeout(os.environ)
-                if args.shutdown_timeout is None
-                else args.shutdown_timeout
-            ),
+            shutdown_timeout=shutdown_timeout(os.environ, args.shutdown_timeout),
             log_prompts=args.log_prompts,
             stats_interval=args.stats_interval,
             max_model_len=max_len,
@@ -381,6 +380,7 @@ def _serve(app: App, sock: socket.socket, args: argparse.Namespace, summary: str
     config = Config()
     config.graceful_timeout = GRACEFUL_SECONDS
     config.backlog = BACKLOG
+    config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     error_log = logging.getLogger("hypercorn.error")
     # Its "Running on" line says less than the start-up line above; warnings still show.
     error_log.setLevel(logging.DEBUG if args.log_level == "debug" else logging.WARNING)

@@ -147,9 +147,11 @@ class Settings:
         return out
 
 
-def shutdown_timeout(env: Mapping[str, str]) -> float:
-    """``KERN_SHUTDOWN_TIMEOUT`` (seconds >= 0), else :data:`DEFAULT_SHUTDOWN_TIMEOUT`; a
-    :class:`UsageError` naming the variable."""
+def shutdown_timeout(env: Mapping[str, str], flag: float | None = None) -> float:
+    """``flag`` (``--shutdown-timeout``) if given, else ``KERN_SHUTDOWN_TIMEOUT`` (seconds >=
+    0), else :data:`DEFAULT_SHUTDOWN_TIMEOUT`; a :class:`UsageError` naming the variable."""
+    if flag is not None:
+        return flag
     text = env.get("KERN_SHUTDOWN_TIMEOUT")
     if text is None:
         return DEFAULT_SHUTDOWN_TIMEOUT
