@@ -55,6 +55,9 @@ from kern.bench.soak_load import Tally, Workload
 __all__ = ["main"]
 
 MIB = 2**20
+# Seconds the server gets to close its ends of the connections after the load: past kern
+# serve's 10 s keep-alive, so a connection the client left open is closed by then.
+FDS_SETTLE_SECONDS = 20.0
 
 
 @dataclass
@@ -230,11 +233,13 @@ async def soak(args: argparse.Namespace, target: Target) -> bool:
         await asyncio.gather(*workers)
         await load.close()
         after = await _idle(admin, 60)
-        # The client's connections are closed; the server closes its ends when it reads EOF.
+        # The client's connections are closed; the server closes its ends when it reads EOF,
+        # and any the client left open after its keep-alive (10 s under kern serve): wait past it.
         fds_back = None
-        for _ in range(50):
+        settle = time.monotonic() + FDS_SETTLE_SECONDS
+        while True:
             fds_back = _proc(pid)[1] if pid is not None else None
-            if fds_back is None or fds_back <= idle_fds:
+            if fds_back is None or fds_back <= idle_fds or time.monotonic() > settle:
                 break
             await asyncio.sleep(0.2)
         if pid is None:
