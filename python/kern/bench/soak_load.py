@@ -66,10 +66,12 @@ class Tally:
     refused: int = 0  # well-formed requests answered 4xx (the workload does not fit the server)
     errors: list[str] = field(default_factory=list)  # the first few, for the report
     latencies: list[float] = field(default_factory=list)  # seconds, served requests
+    start: float = field(default_factory=time.monotonic)
 
     def note(self, what: str) -> None:
         if len(self.errors) < 10:
-            self.errors.append(what)
+            at = time.strftime("%H:%M:%S", time.gmtime()) + f"{time.time() % 1:.3f}"[1:]
+            self.errors.append(f"{at} UTC ({time.monotonic() - self.start:.1f} s in): {what}")
 
     def count_status(self, code: int, kind: str, detail: str = "") -> None:
         self.status[code] += 1
@@ -167,7 +169,7 @@ class Workload:
                 self.tally.note(f"{kind}: timeout ({type(e).__name__})")
             except httpx.TransportError as e:
                 self.tally.transport += 1
-                self.tally.note(f"{kind}: {type(e).__name__}: {e}")
+                self.tally.note(f"{kind}: {type(e).__name__}: {e}{_causes(e)}")
             except (ValueError, KeyError, IndexError, TypeError) as e:
                 # A 2xx whose body is not the answer's shape (bad JSON, a missing field).
                 self.tally.malformed += 1
@@ -294,3 +296,12 @@ class Workload:
         if r.is_success:
             self.tally.accepted_bad += 1
             self.tally.note(f"bad body accepted ({name}): HTTP {r.status_code}")
+
+
+def _causes(e: BaseException) -> str:
+    """The exceptions under ``e`` (an empty httpx ReadError may be a reset or a local close)."""
+    out = []
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+        out.append(f"{type(e).__name__}({e})")
+    return f" [from {' <- '.join(out)}]" if out else ""
