@@ -36,7 +36,7 @@ from kern.server.hangup import StepGate
 from kern.server.http import JSON, Disconnected, Receive, Scope, Send, respond
 from kern.server.logs import RECORD, RequestRecord, StatsLine, request_id
 from kern.server.openai import OpenAI
-from kern.server.request_head import check_framing
+from kern.server.request_head import UnreadBody, check_framing
 from kern.server.settings import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Settings
 from kern.server.startup import exit_failed_start
 
@@ -219,10 +219,13 @@ class App:
         if self.cors is not None:
             tags += self.cors.headers(scope["headers"])
 
+        receive = (unread := UnreadBody(scope, receive)).receive
+
         async def send_tagged(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), *tags]}
+                headers = [*message.get("headers", ()), *tags]
+                message = {**message, "headers": [*headers, *unread.close(headers)]}
             await send(message)
 
         counted = False

@@ -1,4 +1,5 @@
-"""Checks on a request's head before anything reads its body: how the body is framed.
+"""Checks on a request's head before anything reads its body: how the body is framed, and
+whether a response leaves before the body has arrived whole.
 
 Why here and not in the HTTP server: h11 (under hypercorn) accepts a request with both
 ``Content-Length`` and ``Transfer-Encoding`` (it frames by the latter, RFC 9112 6.3) and a
@@ -6,14 +7,23 @@ Why here and not in the HTTP server: h11 (under hypercorn) accepts a request wit
 the other header, which is how requests are smuggled; RFC 9112 6.1 lets a server refuse both,
 and kern does, with a 400 in OpenAI's error shape, closing the connection (whatever follows on
 it cannot be trusted to start a request).
+
+A response sent before the request's body was received whole (a 401, 404, 405, 413, 415 or
+503 decided from the head) says ``Connection: close``: hypercorn closes such a connection
+after the response, since the unread body stands between it and the next request, but
+without the header the client keeps it for its next request, which then meets the close
+("Server disconnected without sending a response", or a reset). The soak saw 1-2 of those a
+run until this header went out.
 """
 
 from __future__ import annotations
 
-from kern.server.api import ApiError
-from kern.server.http import Scope
+from typing import Any
 
-__all__ = ["check_framing"]
+from kern.server.api import ApiError
+from kern.server.http import Receive, Scope
+
+__all__ = ["UnreadBody", "check_framing"]
 
 _CLOSE = [(b"connection", b"close")]
 
@@ -41,3 +51,27 @@ def check_framing(scope: Scope) -> None:
             code="ambiguous_framing",
             headers=_CLOSE,
         )
+
+
+class UnreadBody:
+    """Whether an HTTP/1 request's body is still (partly) unread; :meth:`receive` is the
+    request's ``receive`` that sees it arrive."""
+
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        self._receive = receive
+        self.pending = scope.get("http_version", "1.1").startswith("1.") and any(
+            k == b"transfer-encoding" or (k == b"content-length" and v.strip() not in (b"0", b""))
+            for k, v in scope["headers"]
+        )
+
+    async def receive(self) -> dict[str, Any]:
+        message = await self._receive()
+        if message["type"] == "http.request" and not message.get("more_body", False):
+            self.pending = False
+        return message
+
+    def close(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """``Connection: close`` for a response sent while the body is unread (see the notes)."""
+        if not self.pending or any(k.lower() == b"connection" for k, _ in headers):
+            return []
+        return _CLOSE
