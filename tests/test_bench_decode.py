@@ -66,6 +66,34 @@ def test_the_split_adds_up_and_the_floor_follows(capsys):
     _parts_add_up(host_rows)
 
 
+def test_linears_times_the_steps_own_shapes_four_ways(capsys):
+    model = default_model_path()
+    decode.main(
+        ["--model", str(model), "--batches", "1", "--steps", "2", "--prompt", "8"]
+        + ["--bw-mib", "16", "--repeat", "2", "--linears"]
+    )
+    text = capsys.readouterr().out
+    mb = _num(_rows(text, "| batch | tok/s")[0][6])
+    head = next(line for line in text.splitlines() if line.startswith("| the step's "))
+    ckpt = load_checkpoint(model)
+    layers = ckpt.config.num_hidden_layers
+    exact = sum(t.numel() * 4 for n, t in ckpt.tensors.items() if n.endswith("_proj.weight"))
+    exact += ckpt.config.vocab_size * ckpt.config.hidden_size * 4
+    # q/k/v fused, o, gate/up fused, down per layer, and the LM head
+    assert head.startswith(f"| the step's {4 * layers + 1} linears ({mb:,.1f} MB)")
+    rows = _rows(text, "| the step's ")
+    assert [r[0] for r in rows] == [
+        "oneDNN, weight reordered at load (kern's), M = 2",
+        "oneDNN, plain [out, in] weight, M = 2",
+        "MKL torch.mv, M = 1",
+        "a torch sum over the same bytes",
+    ]
+    for _, ms, gb_s in rows:
+        assert _num(ms) > 0  # printed to 0.001 ms, the rate to 0.1 GB/s
+        low, high = exact / 1e6 / (_num(ms) + 5e-4), exact / 1e6 / max(_num(ms) - 5e-4, 1e-9)
+        assert low - 0.05 <= _num(gb_s) <= high + 0.05
+
+
 def test_host_itemises_a_step_at_each_batch(capsys):
     decode.main(["--host", "--host-batches", "1", "4", "--steps", "4", "--prompt", "8"])
     text = capsys.readouterr().out

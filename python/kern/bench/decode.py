@@ -116,6 +116,69 @@ def row(b: int, wbytes: int, s: Split, bw: float) -> str:
     )
 
 
+def linear_shapes(engine: Engine, prompt: int) -> list[tuple[int, int]]:
+    """(in, out) of every linear a batch-1 decode step runs, in order."""
+    decode = Decode(engine, Probe())
+    ops = engine.runner.ops
+    linear = ops.linear
+    shapes: list[tuple[int, int]] = []
+
+    def recording(x, w, bias=None):
+        shapes.append((x.shape[1], w.out_features))
+        return linear(x, w, bias)
+
+    try:
+        reqs = decode.start(1, prompt, 4, seed=1)
+        ops.linear = recording
+        decode.sched.step()
+        del ops.linear
+        decode.end(reqs)
+    finally:
+        decode.close()
+    return shapes
+
+
+def linears_table(shapes: list[tuple[int, int]], repeat: int) -> str:
+    """A decode step's linears (random weights of its shapes) timed four ways, best of
+    ``repeat`` rounds taken in turn: kern's oneDNN call on reordered and on plain weights at
+    two rows (one row padded, as kern runs it), MKL's matrix-vector product at one row, and
+    a torch sum over the same bytes (the read floor)."""
+    gen = torch.Generator().manual_seed(0)
+    plain = [torch.randn(n, k, generator=gen) for k, n in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in plain]
+    xs = [torch.randn(2, k, generator=gen) for k, _ in shapes]
+    flat = torch.cat([w.flatten() for w in plain])
+    nbytes = flat.numel() * flat.element_size()
+
+    def onednn(weights):
+        def run() -> None:
+            for x, w in zip(xs, weights, strict=True):
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+        return run
+
+    def mv() -> None:
+        for x, w in zip(xs, plain, strict=True):
+            torch.mv(w, x[0])
+
+    ways = {
+        "oneDNN, weight reordered at load (kern's), M = 2": onednn(packed),
+        "oneDNN, plain [out, in] weight, M = 2": onednn(plain),
+        "MKL torch.mv, M = 1": mv,
+        "a torch sum over the same bytes": flat.sum,
+    }
+    times: dict[str, float] = dict.fromkeys(ways, float("inf"))
+    for _ in range(repeat):
+        for name, fn in ways.items():
+            times[name] = min(times[name], best(fn, 1, warmup=True))
+    lines = [
+        f"| the step's {len(shapes)} linears ({nbytes / 1e6:,.1f} MB) | ms | GB/s |",
+        "| --- | ---: | ---: |",
+    ]
+    lines += [f"| {name} | {t * MS:.3f} | {nbytes / t / 1e9:.1f} |" for name, t in times.items()]
+    return "\n".join(lines)
+
+
 def call_cost(repeat: int) -> float:
     """Seconds of one torch call that does next to nothing (an in-place add to a 1-element
     tensor): what each torch call costs before any work, best of ``repeat`` runs of 1,000."""
@@ -199,6 +262,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bw-mib", type=int, default=256, help="bandwidth tensor size")
     parser.add_argument("--llama-cpp", type=Path, default=None, metavar="GGUF")
     parser.add_argument("--host", action="store_true", help="host overhead on the tiny model")
+    parser.add_argument(
+        "--linears", action="store_true", help="also time the step's linears four ways"
+    )
     parser.add_argument("--host-batches", type=int, nargs="+", default=list(HOST_BATCHES))
     args = parser.parse_args(argv)
     for name in ("prompt", "steps", "threads", "repeat", "bw_mib"):
@@ -260,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             print(row(b, wbytes, split, bw))
         print("\nHost time by part (ms per step):\n")
         print(host_table(results, call_cost(args.repeat)))
+        if args.linears:
+            print("\nA batch-1 step's linears on their own (best of --repeat rounds):\n")
+            print(linears_table(linear_shapes(engine, args.prompt), args.repeat))
         if args.llama_cpp is not None:
             one = [s for b, _, s in results if b == 1]
             prompt = Decode.prompts(engine, 1, args.prompt, seed=1)[0]
