@@ -105,6 +105,11 @@ class Metrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         reg = self.registry
+        self.gauges: dict[str, float] = dict.fromkeys(GAUGES, 0)
+        # A scrape reads collectors in registration order, beside the scheduler thread. Gauges
+        # first: a scrape whose gauges show a request finished also counts it (the scheduler
+        # counts a finish before its step's snapshot), so "idle" never comes with stale counts.
+        reg.register(_Snapshot(self))
 
         def counter(name: str, help_: str) -> Any:
             return Counter(name, help_, ["model_name"], registry=reg).labels(model_name)
@@ -217,8 +222,6 @@ class Metrics:
             "Tokens generated per finished request: vllm:request_generation_tokens.",
             lengths,
         )
-        self.gauges: dict[str, float] = dict.fromkeys(GAUGES, 0)
-        reg.register(_Snapshot(self))
         reg.register(_Labelled(ProcessCollector(registry=None), model_name))
 
     def snapshot(
