@@ -18,6 +18,11 @@ Design notes
   layout.
 * With tied embeddings there is no ``lm_head.weight`` to require: the runner multiplies by
   ``model.embed_tokens.weight``. A tied file that carries one anyway is checked and loaded.
+* Quantised weights are dequantised at load, in float32, then cast: block-scaled FP8
+  (DeepSeek's ``weight_scale_inv``, or the V4 release's ``.scale``, float32 or e8m0) and
+  DeepSeek-V4's FP4 routed experts (int8 bytes of two e2m1 values, low nibble first, with an
+  e8m0 scale per 32 inputs), exactly as transformers' FP8 loader reads them. Integer
+  tensors (V4's ``tid2eid``) are read as int64, whatever ``dtype`` says.
 """
 
 from __future__ import annotations
@@ -33,8 +38,18 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from kern.checkpoint_entries import FLOAT_DTYPES as _FLOAT_DTYPES
+from kern.checkpoint_entries import FP4 as _FP4
+from kern.checkpoint_entries import FP8 as _FP8
+from kern.checkpoint_entries import INT_DTYPES as _INT_DTYPES
+from kern.checkpoint_entries import Entry as _Entry
+from kern.checkpoint_entries import TensorError, TensorShapeError
+from kern.checkpoint_entries import dequantize as _dequantize
+from kern.checkpoint_entries import num_bytes as _num_bytes
+from kern.checkpoint_entries import pair_scales as _pair_scales
+from kern.deepseek_v4_tensors import INTEGER_LEAVES
 from kern.model_config import CheckpointError, MissingFileError, ModelConfig, load_config
-from kern.tensor_names import canonical_name, expected_shapes, mtp_shapes
+from kern.tensor_names import canonical_name, expected_shapes, head_name, mtp_shapes
 from kern.tokenizer import Tokenizer
 
 __all__ = [
@@ -61,13 +76,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
-# safetensors header dtypes that hold weights kern can cast; integer tensors are quantized
-# formats kern does not read.
-_FLOAT_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-# Block-scaled FP8 (DeepSeek's release): read only with a ``weight_scale_inv`` beside it.
-_FP8 = "F8_E4M3"
-_SCALE_SUFFIX = "_scale_inv"
-
 # (dim, start, stop) of a stored tensor: the rows (dim 0) or columns (dim 1) a reader takes.
 Part = tuple[int, int, int]
 
@@ -83,19 +91,11 @@ class MissingShardError(MissingFileError):
     """``model.safetensors.index.json`` names a shard file that is not in the folder."""
 
 
-class TensorError(CheckpointError):
-    """A tensor is missing, unexpected, of the wrong shape or of a dtype kern cannot use."""
-
-
 class MissingTensorError(TensorError):
     pass
 
 
 class UnexpectedTensorError(TensorError):
-    pass
-
-
-class TensorShapeError(TensorError):
     pass
 
 
@@ -120,16 +120,6 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported ({', '.join(DTYPES)})")
     return DTYPES[dtype]
-
-
-@dataclass(frozen=True)
-class _Entry:
-    file: Path
-    stored_name: str
-    shape: tuple[int, ...]
-    dtype: str
-    scale: _Entry | None = None  # an FP8 weight's block scales (weight_scale_inv)
-    block: tuple[int, ...] = ()  # and the block they scale
 
 
 def load_checkpoint(
@@ -212,33 +202,10 @@ def read_tensors(
                         view = f.get_slice(entry.stored_name)
                         pieces = [view[a:b] if dim == 0 else view[:, a:b] for dim, a, b in parts]
                         t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=parts[0][0])
-                    tensors[name] = t.to(dtype)
+                    integer = entry.dtype in _INT_DTYPES and entry.scale is None
+                    tensors[name] = t.long() if integer else t.to(dtype)
                     bar.update(_num_bytes(entry))
     return tensors
-
-
-def _dequantize(weight: torch.Tensor, entry: _Entry) -> torch.Tensor:
-    """A block-scaled FP8 weight in float32: each (b0 x b1) block times its scale."""
-    assert entry.scale is not None
-    with safe_open(str(entry.scale.file), framework="pt", device=str(weight.device)) as f:
-        s = f.get_tensor(entry.scale.stored_name).float()
-    rows, cols = weight.shape
-    b0, b1 = entry.block
-    s = s.repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
-    return weight.float() * s
-
-
-def _num_bytes(entry: _Entry) -> int:
-    if entry.dtype == _FP8:
-        return _num_bytes_of(1, entry.shape) + (_num_bytes(entry.scale) if entry.scale else 0)
-    return _num_bytes_of(_FLOAT_DTYPES[entry.dtype], entry.shape)
-
-
-def _num_bytes_of(itemsize: int, shape: tuple[int, ...]) -> int:
-    n = itemsize
-    for d in shape:
-        n *= d
-    return n
 
 
 def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, Path | None]:
@@ -311,43 +278,13 @@ def _index_tensors(path: Path, config: ModelConfig, mtp: bool = False) -> dict[s
     return _pair_scales(config, entries)
 
 
-def _pair_scales(config: ModelConfig, entries: dict[str, _Entry]) -> dict[str, _Entry]:
-    """Attach each ``weight_scale_inv`` to its FP8 weight (checked: dtype, block count)."""
-    out: dict[str, _Entry] = {}
-    for name, entry in entries.items():
-        if name.endswith(_SCALE_SUFFIX) and name[: -len(_SCALE_SUFFIX)] in entries:
-            continue
-        if entry.dtype != _FP8:
-            out[name] = entry
-            continue
-        where = f"{entry.file}: tensor {entry.stored_name!r}"
-        if not config.fp8_block:
-            raise TensorError(
-                f"{where} is {_FP8}, but config.json has no fp8 quantization_config with a "
-                "weight_block_size"
-            )
-        scale = entries.get(name + _SCALE_SUFFIX)
-        if scale is None or len(entry.shape) != 2:
-            raise TensorError(f"{where} is {_FP8} without a 2-d {name + _SCALE_SUFFIX!r}")
-        b0, b1 = config.fp8_block
-        want = (-(-entry.shape[0] // b0), -(-entry.shape[1] // b1))
-        if scale.shape != want or scale.dtype not in _FLOAT_DTYPES:
-            raise TensorShapeError(
-                f"{scale.file}: tensor {scale.stored_name!r} has shape {list(scale.shape)} "
-                f"({scale.dtype}), expected float scales of shape {list(want)} for "
-                f"{list(entry.shape)} in {b0} x {b1} blocks"
-            )
-        out[name] = _Entry(entry.file, entry.stored_name, entry.shape, _FP8, scale, (b0, b1))
-    return out
-
-
 def _validate(
     path: Path, config: ModelConfig, entries: dict[str, _Entry], mtp: bool = False
 ) -> None:
     expected = expected_shapes(config)
     optional: dict[str, tuple[int, ...]] = {}
     if config.tie_word_embeddings:
-        optional["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+        optional[head_name(config)] = (config.vocab_size, config.hidden_size)
     if mtp:
         if not config.num_mtp_layers:
             raise MissingTensorError(
@@ -373,17 +310,25 @@ def _validate(
             f"{_names(unexpected)} (in {first.file.name}); is config.json for these weights?"
         )
     for name, entry in sorted(entries.items()):
+        integer = config.model_type == "deepseek_v4" and name.endswith(INTEGER_LEAVES)
+        if integer != (entry.dtype in _INT_DTYPES and entry.scale is None) or (
+            not integer and entry.dtype not in _FLOAT_DTYPES and entry.scale is None
+        ):
+            kinds = (
+                "an integer tensor"
+                if integer
+                else f"floating-point weights only ({', '.join(_FLOAT_DTYPES)}, block-scaled "
+                f"{_FP8} and, for deepseek_v4's routed experts, FP4 in {_FP4})"
+            )
+            raise TensorError(
+                f"{entry.file}: tensor {entry.stored_name!r} has dtype {entry.dtype}; kern "
+                f"loads {kinds} there"
+            )
         want = expected.get(name, optional.get(name))
         if entry.shape != want:
             raise TensorShapeError(
                 f"{entry.file}: tensor {entry.stored_name!r} has shape {list(entry.shape)}, "
                 f"expected {list(want)} from config.json"
-            )
-        if entry.dtype not in _FLOAT_DTYPES and entry.dtype != _FP8:
-            raise TensorError(
-                f"{entry.file}: tensor {entry.stored_name!r} has dtype {entry.dtype}; kern "
-                f"loads floating-point weights only ({', '.join(_FLOAT_DTYPES)}, and "
-                f"block-scaled {_FP8})"
             )
 
 

@@ -46,7 +46,7 @@ __all__ = [
     "parse_config",
 ]
 
-FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe", "deepseek_v3", "kimi_linear")
+FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe", "deepseek_v3", "kimi_linear", "deepseek_v4")
 
 # model_type strings found in config.json files, mapped to the family kern runs them as.
 # Kimi K2 publishes its text model as ``kimi_k2`` (DeepSeek-V3's fields at the top level);
@@ -60,9 +60,15 @@ _MODEL_TYPES = {
     "kimi_k2": "deepseek_v3",
     "kimi_k25": "deepseek_v3",
     "kimi_linear": "kimi_linear",
+    "deepseek_v4": "deepseek_v4",
 }
 
 LAYER_TYPES = ("full_attention", "linear_attention")
+V4_ATTENTION_TYPES = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,24 @@ class ModelConfig:
     # Latent attention without any rotary embedding (kimi_linear): the rope dims are cached
     # unrotated.
     mla_use_nope: bool = False
+    # DeepSeek-V4 (deepseek_v4): layer_types holds each layer's attention (V4_ATTENTION_TYPES)
+    # and mlp_layer_types its routing ("hash_moe" or "moe"); rope_theta is the sliding layers'
+    # plain RoPE, compress_rope_theta (scaled by rope_type / rope_yarn) the compressed layers'.
+    compress_rates: tuple[int, int] = (0, 0)  # source tokens per CSA entry, per HCA entry
+    sliding_window: int = 0
+    compress_rope_theta: float = 0.0
+    hc_mult: int = 0  # hyper-connection streams
+    hc_sinkhorn_iters: int = 0
+    hc_eps: float = 0.0
+    scoring_func: str = "sigmoid"  # router: sigmoid (deepseek_v3) or sqrtsoftplus
+    swiglu_limit: float = 0.0  # clamp of the SwiGLU inputs; 0: none
+    o_groups: int = 0
+    o_lora_rank: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    # FP4 (e2m1) routed experts with an e8m0 scale per 32 inputs (DeepSeek-V4's release).
+    fp4_experts: bool = False
     # The whole config.json as read (for a multimodal qwen3_5 file, text fields are in
     # raw["text_config"]). Excluded from equality and hashing: two files that describe the
     # same model compare equal.
@@ -155,6 +179,8 @@ class ModelConfig:
 
     def is_sparse_layer(self, layer_id: int) -> bool:
         """Whether layer ``layer_id`` has a mixture-of-experts MLP (else a dense one)."""
+        if self.model_type == "deepseek_v4":
+            return True  # every layer routes (hash_moe or moe)
         if self.mlp_layer_types:
             return self.num_experts > 0 and self.mlp_layer_types[layer_id] == "sparse"
         if self.model_type == "deepseek_v3":
@@ -210,9 +236,8 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
     num_layers = f.pos_int("num_hidden_layers")
     hidden = f.pos_int("hidden_size")
     heads = f.pos_int("num_attention_heads")
-    kv_heads = f.pos_int(
-        "num_key_value_heads", default=heads if family in ("qwen3", "kimi_linear") else 4
-    )
+    kv_default = {"qwen3": heads, "kimi_linear": heads, "deepseek_v4": 1}.get(family, 4)
+    kv_heads = f.pos_int("num_key_value_heads", default=kv_default)
     if heads % kv_heads:
         raise ConfigFieldError(
             f"{where}: num_attention_heads ({heads}) must be a multiple of "
@@ -224,13 +249,15 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         "qwen3_moe": hidden // heads,
         "deepseek_v3": f.raw.get("qk_rope_head_dim", 64),
         "kimi_linear": f.raw.get("qk_rope_head_dim", 64),
+        "deepseek_v4": 512,
     }[family]
     hidden_act = f.text("hidden_act", default="silu")
     if hidden_act != "silu":
         raise UnsupportedModelError(f"{where}: hidden_act {hidden_act!r} is not supported (silu)")
 
-    if family == "kimi_linear":
-        # No rotary embedding anywhere (kern.kimi_config refuses a file that asks for one).
+    if family in ("kimi_linear", "deepseek_v4"):
+        # kimi_linear: no rotary embedding anywhere; deepseek_v4: two RoPE sets, read by
+        # kern.deepseek_v4_config (kern.kimi_config refuses a file that asks for RoPE).
         rope_theta, partial_rotary, rope_type, rope_yarn = 10000.0, 1.0, "default", ()
     else:
         rope_theta, partial_rotary, rope_type, rope_yarn = _rope(f, family, where)
@@ -243,7 +270,8 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         model_type=family,
         vocab_size=f.pos_int("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=f.pos_int("intermediate_size"),
+        # deepseek_v4 files have only moe_intermediate_size (kern.deepseek_v4_config).
+        intermediate_size=0 if family == "deepseek_v4" else f.pos_int("intermediate_size"),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -277,6 +305,10 @@ def parse_config(raw: dict[str, Any], *, source: str = "config.json") -> ModelCo
         # transformers sets head_dim to the rotary dims (the part RoPE turns).
         common["head_dim"] = common["qk_rope_head_dim"]
         common["num_key_value_heads"] = heads
+    elif family == "deepseek_v4":
+        from kern.deepseek_v4_config import deepseek_v4_fields
+
+        common.update(deepseek_v4_fields(f, num_layers, heads, where))
     elif family == "kimi_linear":
         from kern.kimi_config import kimi_linear_fields
 

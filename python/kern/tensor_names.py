@@ -17,13 +17,16 @@ Design notes
 * Mixture-of-experts weights are the per-expert tensors of the published files
   (``mlp.experts.3.gate_proj.weight``), not transformers' fused in-memory layout; its
   ``save_pretrained`` writes them so too.
+* DeepSeek-V4 has names of its own (``kern.deepseek_v4_tensors``): transformers'
+  ``save_pretrained`` names, with the released files' spelling mapped to them.
 """
 
 from __future__ import annotations
 
+from kern.deepseek_v4_tensors import canonical_v4_name, v4_shapes
 from kern.model_config import ModelConfig
 
-__all__ = ["canonical_name", "expected_shapes", "mtp_shapes", "stored_name"]
+__all__ = ["canonical_name", "expected_shapes", "head_name", "mtp_shapes", "stored_name"]
 
 _KIMI_EXPERT_NAMES = (
     (".w1.weight", ".gate_proj.weight"),
@@ -35,9 +38,12 @@ _KIMI_EXPERT_NAMES = (
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of ``config`` must hold, with its shape.
 
-    ``lm_head.weight`` is left out when the embeddings are tied (it is optional then).
+    ``lm_head.weight`` (deepseek_v4: ``head.weight``) is left out when the embeddings are
+    tied (it is optional then).
     """
     c = config
+    if c.model_type == "deepseek_v4":
+        return v4_shapes(c)
     h, v = c.hidden_size, c.vocab_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (v, h),
@@ -48,6 +54,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(c.num_hidden_layers):
         shapes.update(_decoder_layer(c, i))
     return shapes
+
+
+def head_name(config: ModelConfig) -> str:
+    """The output head's tensor name (optional when the embeddings are tied)."""
+    return "head.weight" if config.model_type == "deepseek_v4" else "lm_head.weight"
 
 
 def mtp_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
@@ -205,6 +216,8 @@ def canonical_name(config: ModelConfig, name: str, mtp: bool = False) -> str | N
     ``mtp``: read a deepseek_v3 checkpoint's multi-token-prediction layers too."""
     if name.endswith(".rotary_emb.inv_freq"):  # a buffer some old exports saved
         return None
+    if config.model_type == "deepseek_v4":
+        return canonical_v4_name(name)
     if config.model_type == "qwen3_5":
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model.") :]

@@ -24,14 +24,14 @@ _SIZE_FLAGS = {
     "--head-dim": ("head_dim", "dims per attention head"),
     "--intermediate": ("intermediate", "dense MLP width"),
     "--vocab": ("vocab", "vocabulary size (tokenizer and embedding)"),
-    "--experts": ("experts", "qwen3_moe, deepseek_v3, kimi_linear: routed experts per MoE layer"),
+    "--experts": ("experts", "qwen3_moe, deepseek_v3/v4, kimi_linear: routed experts per layer"),
     "--experts-per-tok": (
         "experts_per_tok",
-        "qwen3_moe, deepseek_v3, kimi_linear: experts each token is routed to",
+        "qwen3_moe, deepseek_v3/v4, kimi_linear: experts each token is routed to",
     ),
     "--moe-intermediate": (
         "moe_intermediate",
-        "qwen3_moe, deepseek_v3, kimi_linear: expert MLP width",
+        "qwen3_moe, deepseek_v3/v4, kimi_linear: expert MLP width",
     ),
     "--linear-key-heads": ("linear_key_heads", "qwen3_5: DeltaNet key heads"),
     "--linear-value-heads": (
@@ -55,7 +55,7 @@ _SIZE_FLAGS = {
     ),
     "--qk-rope-head-dim": (
         "qk_rope_head_dim",
-        "deepseek_v3: query/key dims RoPE turns (kimi_linear: unrotated)",
+        "deepseek_v3/v4: query/key dims RoPE turns (kimi_linear: unrotated)",
     ),
     "--v-head-dim": ("v_head_dim", "deepseek_v3, kimi_linear: value dims per head"),
     "--n-group": ("n_group", "deepseek_v3, kimi_linear: expert groups"),
@@ -66,7 +66,7 @@ _SIZE_FLAGS = {
 _COUNT_FLAGS = {
     "--q-lora-rank": (
         "q_lora_rank",
-        "deepseek_v3, kimi_linear: query low rank (0: a plain q_proj)",
+        "deepseek_v3/v4, kimi_linear: query low rank (0: a plain q_proj; not for v4)",
     ),
     "--shared-experts": ("shared_experts", "deepseek_v3, kimi_linear: shared experts"),
     "--first-k-dense": (
@@ -96,12 +96,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--yarn-factor",
         type=float,
         metavar="F",
-        help="deepseek_v3: YaRN RoPE scaling by F over an original context of 64",
+        help="deepseek_v3 (v4: its compressed layers): YaRN RoPE scaling by F over an "
+        "original context of 64",
     )
     p.add_argument(
         "--fp8",
         action="store_true",
-        help="deepseek_v3: store projections as block-scaled FP8 (weight_scale_inv)",
+        help="deepseek_v3: store projections as block-scaled FP8 (weight_scale_inv); "
+        "deepseek_v4: write the release's format (its names, FP8 projections with e8m0 "
+        "scales, FP4 routed experts)",
     )
     p.add_argument(
         "--no-norm-topk-prob",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DEFAULTS", "FP8_BLOCK", "config_json"]
+__all__ = ["DEFAULTS", "FP8_BLOCK", "V4_FIXED", "config_json"]
 
 # Block of the FP8 weights make_tiny writes with ``fp8=True``: DeepSeek's released
 # 128 x 128 would be one block for most tiny matrices; 16 x 16 tests the block edges.
@@ -91,7 +91,41 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         conv_kernel=4,
         full_attention_interval=2,
     ),
+    # Sliding, compressed sparse and heavily compressed layers, the hash-routed ones first;
+    # small window and compression rates, so that a short prompt crosses them all.
+    "deepseek_v4": dict(
+        layers=4,
+        hidden=64,
+        heads=4,
+        head_dim=64,
+        vocab=512,
+        experts=8,
+        experts_per_tok=2,
+        moe_intermediate=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=16,
+        yarn_factor=0,
+    ),
 }
+
+# deepseek_v4's sizes make_tiny has no option for.
+V4_FIXED: dict[str, Any] = dict(
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
+    hash_layers=2,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    sliding_window=8,
+    hc_mult=4,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=4,
+)
 
 
 def config_json(
@@ -109,7 +143,7 @@ def config_json(
         "hidden_act": "silu",
         "hidden_size": a["hidden"],
         "initializer_range": 0.02,
-        "intermediate_size": a["intermediate"],
+        "intermediate_size": a.get("intermediate"),
         "max_position_embeddings": 8192,
         "num_attention_heads": a["heads"],
         "num_hidden_layers": n,
@@ -225,6 +259,9 @@ def config_json(
             use_grouped_topk=True,
             v_head_dim=a["v_head_dim"],
         )
+    elif family == "deepseek_v4":
+        cfg.update(_deepseek_v4(a))
+        del cfg["intermediate_size"]
     else:
         interval = a["full_attention_interval"]
         cfg.update(
@@ -247,3 +284,82 @@ def config_json(
             },
         )
     return dict(sorted(cfg.items()))
+
+
+def _deepseek_v4(a: dict[str, Any]) -> dict[str, Any]:
+    """deepseek_v4's fields: as transformers' save_pretrained writes them, or with
+    ``a["fp8"]`` as the release spells them (compress_ratios, num_hash_layers,
+    rope_scaling, FP8 quantization_config with e8m0 scales, FP4 experts)."""
+    n, fx = a["layers"], V4_FIXED
+    types = (fx["layer_types"] * n)[:n]
+    rope = a["qk_rope_head_dim"] / a["head_dim"]
+    yarn = {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": float(a["yarn_factor"]),
+        "original_max_position_embeddings": 64,
+        "rope_type": "yarn",
+    }
+    cfg: dict[str, Any] = dict(
+        architectures=["DeepseekV4ForCausalLM"],
+        model_type="deepseek_v4",
+        compress_rope_theta=160000.0,
+        hc_eps=1e-6,
+        hc_mult=fx["hc_mult"],
+        hc_sinkhorn_iters=20,
+        index_head_dim=fx["index_head_dim"],
+        index_n_heads=fx["index_n_heads"],
+        index_topk=fx["index_topk"],
+        max_position_embeddings=4096,
+        moe_intermediate_size=a["moe_intermediate"],
+        n_routed_experts=a["experts"],
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        num_experts_per_tok=a["experts_per_tok"],
+        num_key_value_heads=1,
+        num_nextn_predict_layers=1,
+        o_groups=fx["o_groups"],
+        o_lora_rank=fx["o_lora_rank"],
+        q_lora_rank=a["q_lora_rank"],
+        rope_theta=10000.0,
+        routed_scaling_factor=1.5,
+        scoring_func="sqrtsoftplus",
+        sliding_window=fx["sliding_window"],
+        swiglu_limit=10.0,
+    )
+    rates = fx["compress_rates"]
+    if not a["fp8"]:
+        compress = {"partial_rotary_factor": rope, "rope_theta": 160000.0, "rope_type": "default"}
+        if a["yarn_factor"]:
+            compress = {**yarn, "attention_factor": 1.0, **compress, "rope_type": "yarn"}
+        main = {"partial_rotary_factor": rope, "rope_theta": 10000.0, "rope_type": "default"}
+        cfg.update(
+            compress_rates=dict(rates),
+            layer_types=types,
+            mlp_layer_types=["hash_moe" if i < fx["hash_layers"] else "moe" for i in range(n)],
+            partial_rotary_factor=rope,
+            rope_parameters={"compress": compress, "main": main},
+        )
+        return cfg
+    # The release lists the MTP layer's ratio after the decoder's (kern drops it).
+    ratio = {"sliding_attention": 0, "compressed_sparse_attention": 4}
+    cfg.update(
+        compress_ratios=[ratio.get(t, 128) for t in types] + [0],
+        compress_rate_csa=rates["compressed_sparse_attention"],
+        compress_rate_hca=rates["heavily_compressed_attention"],
+        expert_dtype="fp4",
+        num_hash_layers=fx["hash_layers"],
+        qk_rope_head_dim=a["qk_rope_head_dim"],
+        quantization_config={
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": list(FP8_BLOCK),
+        },
+        topk_method="noaux_tc",
+    )
+    if a["yarn_factor"]:
+        cfg["rope_scaling"] = {**yarn, "type": "yarn"}
+        del cfg["rope_scaling"]["rope_type"]
+    return cfg

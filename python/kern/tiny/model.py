@@ -18,10 +18,12 @@ import torch
 from safetensors.torch import save_file
 
 from kern.checkpoint import expected_shapes, mtp_shapes, parse_dtype
+from kern.deepseek_v4_tensors import released_v4_name
 from kern.model_config import FAMILIES, ModelConfig, parse_config
 from kern.tensor_names import stored_name
 from kern.tiny.config import DEFAULTS, FP8_BLOCK
 from kern.tiny.config import config_json as tiny_config_json
+from kern.tiny.quantize import quantize_v4
 from kern.tiny.tokenizer import build_tokenizer, tokenizer_config, write_tiktoken_tokenizer
 
 # The embedded default model (python/kern/assets/tiny-qwen3) is make_tiny("qwen3", DIR,
@@ -95,6 +97,12 @@ def make_tiny(
     the projections as block-scaled FP8 with ``weight_scale_inv`` (:data:`FP8_BLOCK`), as
     DeepSeek's release does (embeddings, heads, routers and norms stay float).
 
+    deepseek_v4 (``kern.tiny.config.V4_FIXED`` has the sizes without an option): written as
+    transformers' save_pretrained writes it; ``yarn_factor`` scales the compressed layers'
+    RoPE; ``fp8=True`` writes the release's format instead: its names and config spelling,
+    FP8 projections with e8m0 ``.scale`` blocks and FP4 routed experts
+    (``kern.tiny.quantize``).
+
     Raises ``ValueError`` for an unknown family or an option that does not apply,
     :class:`~kern.model_config.ConfigFieldError` for inconsistent sizes, and ``FileExistsError``
     when ``out_dir`` is not empty and ``overwrite`` is false. Same arguments, same bytes.
@@ -142,7 +150,7 @@ def make_tiny(
         args[key] = value
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
-    if fp8 and family != "deepseek_v3":
+    if fp8 and family not in ("deepseek_v3", "deepseek_v4"):
         raise ValueError(f"option 'fp8' does not apply to family {family!r}")
     args["fp8"] = fp8
     storage_dtype = parse_dtype(dtype)
@@ -180,7 +188,9 @@ def make_tiny(
         for file in sorted(Path(tmp).iterdir()):
             shutil.copyfile(file, out / file.name)
     tensors = _weights(config, seed, storage_dtype)
-    if fp8:
+    if fp8 and family == "deepseek_v4":
+        tensors = {released_v4_name(k): t for k, t in quantize_v4(tensors, FP8_BLOCK).items()}
+    elif fp8:
         tensors = quantize_fp8(tensors, FP8_BLOCK)
     tensors = {stored_name(config, k): t for k, t in tensors.items()}
     _write_weights(out, tensors, shards)
@@ -214,6 +224,11 @@ def _weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, to
             t = 1.0 + 0.1 * noise
         elif name.endswith("conv1d.weight"):
             t = noise / math.sqrt(shape[-1])
+        elif name.endswith(".gate.tid2eid"):
+            # Hash routing: each token's top-k distinct experts (an integer table).
+            order = torch.rand(config.vocab_size, config.num_experts, generator=gen).argsort(1)
+            tensors[name] = order[:, : shape[1]].contiguous()
+            continue
         elif name.endswith((".bias", "e_score_correction_bias")):
             t = 0.02 * noise
         elif name == "model.embed_tokens.weight":
