@@ -12,6 +12,8 @@ Design notes
     normalised latent then the rotated RoPE key, ``[attention layers, page_tokens,
     kv_lora_rank + qk_rope_head_dim]``: 576 values a token a layer at DeepSeek-V3's dims,
     where K and V per head would be 128 x (192 + 128).
+  - ``compressed`` (DeepSeek-V4): one flat row of the parts ``kern.engine.compressed_layout``
+    lays out (window entries, compressed entries, indexer keys, pooling accumulators).
 * A slot is every linear-attention layer's state: the delta-rule state first
   (``[linear layers, Hv, Dk, Dv]``, float32, as the delta rule keeps it), then the conv state
   (``[linear layers, C, K - 1]`` in the backend's dtype). Float32 first keeps both parts
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kern.engine.compressed_layout import CompressedPage
 from kern.model_config import ModelConfig
 
 __all__ = ["Layout"]
@@ -67,16 +70,20 @@ class Layout:
             conv_shape = (num_linear, conv_dim, c.linear_conv_kernel_dim - 1)
         if c.latent_attention:
             page_shape = (num_attention, page_tokens, c.kv_lora_rank + c.qk_rope_head_dim)
+        if c.model_type == "deepseek_v4":
+            page = CompressedPage.of(c, dtype, page_tokens)
+            page_shape = (page.nbytes // _itemsize(dtype),)
         return cls(page_tokens, dtype, page_shape, delta_shape, conv_shape)
 
     @property
     def page_class(self) -> str:
-        """``kv`` (K and V per head) or ``latent`` (one latent vector per token)."""
-        return "latent" if len(self.page_shape) == 3 else "kv"
+        """``kv`` (K and V per head), ``latent`` (one latent vector per token) or
+        ``compressed`` (DeepSeek-V4's parts, ``kern.engine.compressed_layout``)."""
+        return {1: "compressed", 3: "latent"}.get(len(self.page_shape), "kv")
 
     @property
     def num_attention_layers(self) -> int:
-        return self.page_shape[0]
+        return 0 if self.page_class == "compressed" else self.page_shape[0]
 
     @property
     def num_linear_layers(self) -> int:
