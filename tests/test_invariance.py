@@ -11,7 +11,8 @@ from kern.bench.invariance import run_invariance
 
 
 @pytest.fixture(
-    scope="module", params=["qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3", "kimi_linear"]
+    scope="module",
+    params=["qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3", "kimi_linear", "deepseek_v4"],
 )
 def ckpt(request, tiny):
     return tiny(request.param)

@@ -100,6 +100,7 @@ class _NoBytes:
     """A runner that moves no bytes: the cache's books alone."""
 
     stateful = False
+    whole_page_hits = False
 
     def park(self, plans) -> None:
         pass

@@ -76,6 +76,31 @@ CASES = {
         ),
         {},
     ),
+    # DeepSeek-V4 staged by layer type: the sliding window alone, then with HCA, then the
+    # whole tiny schedule (sliding, CSA, HCA, CSA); windows of 8 and rates 4 / 8, so the
+    # 41-token prompt closes entries in prefill and decode, with more CSA entries than top-k.
+    "deepseek_v4-sliding": (
+        "deepseek_v4",
+        dict(),
+        dict(layer_types=["sliding_attention"] * 4),
+    ),
+    "deepseek_v4-hca": (
+        "deepseek_v4",
+        dict(),
+        dict(layer_types=["sliding_attention", "heavily_compressed_attention"] * 2),
+    ),
+    "deepseek_v4-default": ("deepseek_v4", dict(), {}),
+    # The released Flash schedule's shape (two sliding layers, then CSA and HCA alternating,
+    # three hash-routed layers first) with YaRN on the compressed layers' RoPE.
+    "deepseek_v4-flash-shape-yarn": (
+        "deepseek_v4",
+        dict(layers=6, yarn_factor=4.0),
+        dict(
+            layer_types=["sliding_attention"] * 2
+            + ["compressed_sparse_attention", "heavily_compressed_attention"] * 2,
+            mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
+        ),
+    ),
     "qwen3_5-d64-tied-k2v2": (
         "qwen3_5",
         dict(

@@ -485,6 +485,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.model = Model(pt)
         self.pt = pt
         self.stateful = stateful
+        self.whole_page_hits = False
         self.requests: list[Request] = []
         self.steps = 0
         self.start = self.cache.stats()

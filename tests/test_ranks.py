@@ -175,6 +175,7 @@ def test_config_keys(tmp_path, toml):
 def test_a_runner_call_that_is_not_broadcast_is_refused():
     class Fake:
         stateful = False
+        whole_page_hits = False
 
         def kv_at(self) -> str:
             return "rank 0's heads"

@@ -122,6 +122,12 @@ def draft_layout(
     fits, or when the CPU attention could not address a draft page inside a pool page.
     ``any_stride``: latent pages on a backend that reads them at any stride (CUDA's): only
     the bytes must fit."""
+    if config.model_type == "deepseek_v4":
+        # Its pooling state would need the verify's rewind (Runner.keep_positions) per draft.
+        raise UsageError(
+            f"{where}: a deepseek_v4 draft checkpoint is not supported (draft with "
+            "draft = 'ngram', or a draft of another family)"
+        )
     itemsize = torch.empty((), dtype=dtype).element_size()
     m, best = 1, None
     while True:

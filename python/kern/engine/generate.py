@@ -175,6 +175,8 @@ def generate(
             del probes[key]
         if rows > 1 and runner.stateful:
             runner.keep_rows(0, accepted)
+        if rows > 1 and runner.whole_page_hits:
+            runner.keep_positions(table, pos, accepted)
         if model is not None and drafts:
             model[1].accepted(accepted, model[0].runner.copy_slots)
         new = verified[:accepted]

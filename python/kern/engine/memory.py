@@ -7,7 +7,9 @@ Design notes
 * Admission takes a prefix hit from ``Cache.match``, capped one token short of the prompt
   (recompute the last token for logits), its node locked while the request runs; a parked
   hit is woken and its plan landed first; a hit ending mid-page has its shared page copied
-  before anything is written past it. On a stateful model (qwen3_5) a hit is usable only
+  before anything is written past it (on DeepSeek-V4's pages, where a page holds the
+  pooling state of its last written token, only where that is the hit's last token:
+  ``Mover.state_end``). On a stateful model (qwen3_5) a hit is usable only
   where a state snapshot sits, and the snapshot is copied into the request's own slot.
 * A hit is worth taking only if it fits: one ending mid-page keeps its locked page *and*
   needs a copy of it, one page more than the same prompt without the hit, so when the pages
@@ -56,7 +58,9 @@ class Mover(Protocol):
     the cache's plans and the copy-on-write of pages and slots."""
 
     stateful: bool
+    whole_page_hits: bool
 
+    def state_end(self, page: int) -> int: ...
     def park(self, plans: Sequence[CopyPlan]) -> None: ...
     def wake(self, plan: CopyPlan) -> None: ...
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
@@ -77,6 +81,7 @@ class Memory:
         self.running = running
         self.page_tokens = cache.page_tokens
         self.stateful = runner.stateful
+        self.whole_page_hits = runner.whole_page_hits
         # Every page the pool can give to requests (a stateful pool keeps its first slots).
         self.max_pages = cache.pages_free
         host = cache.host
@@ -112,7 +117,7 @@ class Memory:
         (and slot), its hit locked and its shared pages copied where it writes. False if it
         cannot have its pages (and slot) now, leaving nothing allocated or locked."""
         cap = len(req.tokens) - 1  # recompute the last token for logits
-        m = self.match(req.tokens)  # locked when it hit
+        m = self.match(self._lookup(req))  # locked when it hit
         hit = self._usable_hit(m, cap)
         if hit > 0:
             started = self._admit_with_hit(req, m, hit)
@@ -130,7 +135,7 @@ class Memory:
         cap = len(req.tokens) - 1
         if m.resident_len < hit or (self.stateful and m.state_slot is None):
             if self.wake(node):
-                m = self.match(req.tokens)  # the woken pages, under a lock of their own
+                m = self.match(self._lookup(req))  # the woken pages, under their own lock
                 self.unlock(node)
                 node = m.node
                 assert node is not None
@@ -138,7 +143,7 @@ class Memory:
             else:
                 # Without the parked part, a stateless hit keeps its resident prefix; a
                 # stateful one has no state to resume from.
-                hit = 0 if self.stateful else min(hit, m.resident_len)
+                hit = 0 if self.stateful else self._exact(m, min(hit, m.resident_len))
         if hit > 0 and self._start_at(req, m, node, hit):
             return True
         self.unlock(node)
@@ -191,9 +196,28 @@ class Memory:
                 metrics.prompt_tokens.inc(len(req.prompt_ids))
         return True
 
+    def _lookup(self, req: Request) -> Sequence[int]:
+        """The key admission matches: the request's tokens, or on compressed pages all but the
+        last (a match ending at a node's end returns that node's pages, a prompt-end
+        snapshot's own copy, and not a longer path's page of a later state)."""
+        return req.tokens[: len(req.tokens) - 1] if self.whole_page_hits else req.tokens
+
+    def _exact(self, m: Match, hit: int) -> int:
+        """On pages that hold a pooling state after their last written token (DeepSeek-V4's),
+        the longest part of ``hit`` whose last page holds the state of the hit's last token:
+        the hit itself (a prompt-end snapshot, a request's last page), else its last page end.
+        A parked part is checked once it is woken."""
+        if not self.whole_page_hits or hit == 0 or hit > m.resident_len:
+            return hit
+        pt, pages = self.page_tokens, self.pages(m)
+        for end in (hit, hit - hit % pt):
+            if end and self.runner.state_end(pages[(end - 1) // pt]) == end - 1:
+                return end
+        return 0
+
     def _usable_hit(self, m: Match, cap: int) -> int:
         if not self.stateful:
-            return min(m.hit_len, cap)
+            return self._exact(m, min(m.hit_len, cap))
         # A recurrent model resumes only from a state taken at exactly the hit length.
         if m.state_len is None or m.state_len > cap:
             return 0
@@ -372,7 +396,9 @@ class Memory:
     def prompt_snapshot_at(self, req: Request) -> int | None:
         """Where ``req``'s prompt-end snapshot goes (see the design notes), if it still needs
         one: one token short of the prompt, past its hit, before its first output."""
-        if not self.stateful or req.prompt_snapshot_done or req.num_output:
+        if not (self.stateful or self.whole_page_hits) or req.prompt_snapshot_done:
+            return None
+        if req.num_output:
             return None
         at = len(req.prompt_ids) - 1
         if at <= 0 or at <= (req.cached_tokens or 0):
@@ -387,25 +413,29 @@ class Memory:
         req.prompt_snapshot_done = True
         cache, pt, n = self.cache, self.page_tokens, req.num_computed
         full = n // pt
-        slot = self.take_slot()
-        if slot is None:
+        # Compressed pages (DeepSeek-V4) carry their state: the page copy is the snapshot.
+        slot = self.take_slot() if self.stateful else None
+        if self.stateful and slot is None:
             return
         pages = req.block_table[:full]
         if n % pt:
             copy = self.take_pages(1)
             if copy is None:
-                cache.free_slot(slot)
+                if slot is not None:
+                    cache.free_slot(slot)
                 return
             self.runner.copy_pages([req.block_table[full]], copy)
             pages = pages + copy
-        assert req.slot is not None
-        self.runner.copy_slots([req.slot], [slot])
+        if slot is not None:
+            assert req.slot is not None
+            self.runner.copy_slots([req.slot], [slot])
         key = u32(req.tokens[:n])
         ins = cache.insert(key, u32(pages), slot)
         if ins.woken:
             self.metrics.woken.inc(ins.woken)
         m = cache.match(key)  # locks the path, now all resident, its snapshot at n
-        assert m.node is not None and m.resident_len == n and m.state_len == n
+        assert m.node is not None and m.resident_len == n
+        assert slot is None or m.state_len == n
         req.block_table[:full] = ids(m.pages)[:full]
         if req.node is not None:
             cache.unlock(req.node)

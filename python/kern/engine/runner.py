@@ -48,10 +48,13 @@ import torch
 from torch import Tensor
 
 from kern.backend import Ops, make_ops
-from kern.batch import build_step, validate
+from kern.backend.compressed_attention import plan as plan_compressed
+from kern.backend.compressed_attention import rewind as rewind_compressed
+from kern.batch import Step, build_step, validate
 from kern.checkpoint import Checkpoint
 from kern.chunk import SeqChunk
 from kern.engine.arena import Arena, Placement, land
+from kern.engine.compressed_layout import CompressedPage
 from kern.engine.layout import Layout
 from kern.models import Caches, build_model
 from kern.pool import CopyPlan
@@ -96,6 +99,8 @@ class Runner:
         self.dtype = ops.dtype
         self.page_tokens = layout.page_tokens
         self.stateful = layout.stateful
+        # Compressed pages hold their pooling state at their last written token.
+        self.whole_page_hits = layout.page_class == "compressed"
         self.arena = Arena(layout, placement, ops.device, buffer=buffer)
         self.placement = placement
         self.num_pages = self.arena.num_pages
@@ -109,8 +114,16 @@ class Runner:
         self.conv_states = self.arena.conv
         self.delta_states = self.arena.delta
         self._kv = [self.kv_arena[:, i] for i in range(layout.num_attention_layers)]
+        if layout.page_class == "compressed":
+            page = CompressedPage.of(c, ops.dtype, layout.page_tokens)
+            self._kv = page.views(self.arena.page_rows)  # type: ignore[assignment]
+            self._state_ends = page.positions(self.arena.page_rows)
+            self._state_ends.fill_(-1)
         self._rope = rope_frequencies(c)
         self._row_states: dict[int, tuple[int, int]] = {}  # slot -> (first row, num rows)
+        # Compressed pages: the last forward's plan and its verify chunks' first kept rows.
+        self._verify_plan = None
+        self._verified: dict[tuple[int, int], int] = {}
         self._row_conv: Tensor | None = None
         self._row_delta: Tensor | None = None
         # Opt-in: the last forward's post-final-norm hidden rows [T, hidden] (see the notes).
@@ -186,6 +199,8 @@ class Runner:
         step = build_step(batch, self.page_tokens, self.device)
         c = self.config
         attention = None
+        if self.layout.page_class == "compressed":
+            return self._forward_compressed(batch, step)
         if self.layout.page_class == "latent":
             attention = self.ops.plan_latent_attention(step, self.kv_arena, c.num_attention_heads)
         elif self.model.num_attention_layers:
@@ -224,6 +239,43 @@ class Runner:
         if self.keep_hidden:
             self.hidden = self.ops.rms_norm(hidden, self.model.final_norm, c.rms_norm_eps)
         return self.model.logits(hidden[step.logit_rows])
+
+    def _forward_compressed(self, batch: Sequence[SeqChunk], step: Step) -> Tensor:
+        """:meth:`forward_eager` for DeepSeek-V4's compressed pages (one plan, every layer).
+        The pooling state after each row of a verify chunk is kept for :meth:`keep_positions`."""
+        model = self.model
+        keep, self._verified = [], {}
+        for b, chunk in enumerate(batch):
+            if chunk.logits == "all":
+                # Keyed by the page it writes first: no other running sequence holds it.
+                page = chunk.block_table[chunk.start_pos // self.page_tokens]
+                self._verified[(chunk.start_pos, page)] = len(keep)
+                keep.extend(range(step.q_starts[b], step.q_starts[b] + step.q_lens[b]))
+        window = self.config.sliding_window
+        attention = plan_compressed(step, self.page_tokens, window, model.rates, keep)
+        self._verify_plan = attention
+        step = replace(step, rope=model.ropes, attention=attention)
+        hidden = model.forward(step, Caches(self._kv, [], []))
+        rows = attention.state_rows
+        self._state_ends[attention.row_page[rows]] = step.positions[rows].int()
+        if self.keep_hidden:
+            self.hidden = self.ops.rms_norm(hidden, model.final_norm, self.config.rms_norm_eps)
+        return model.logits(hidden[step.logit_rows])
+
+    def state_end(self, page: int) -> int:
+        """Compressed pages: the position whose pooling state ``page`` holds (-1: none)."""
+        return int(self._state_ends[page])
+
+    def keep_positions(self, block_table: Sequence[int], start_pos: int, num_rows: int) -> None:
+        """Compressed pages: after a verify chunk at ``start_pos`` of the last forward, leave
+        the pooling state as its first ``num_rows`` rows left it (in the page of its last
+        kept row). Rejected rows' window entries and closed entries are rewritten before
+        anything reads them."""
+        pt = self.page_tokens
+        first = self._verified[(start_pos, block_table[start_pos // pt])]
+        last = start_pos + num_rows - 1
+        rewind_compressed(self._verify_plan, first + num_rows - 1, block_table[last // pt])
+        self._state_ends[block_table[last // pt]] = last
 
     def keep_rows(self, slot: int, num_rows: int) -> None:
         """After a forward in which ``slot``'s chunk verified R rows (``logits="all"``), set
@@ -279,11 +331,14 @@ class Runner:
         )
 
     def kv_at(self, block_table: Sequence[int], positions: Sequence[int]) -> Tensor:
-        """A copy of the K/V at ``positions`` of a sequence: [n, layers, 2, Hk, D], or for
-        latent pages the cached vectors, [n, layers, C]."""
+        """A copy of the K/V at ``positions`` of a sequence: [n, layers, 2, Hk, D], for
+        latent pages the cached vectors, [n, layers, C], for compressed pages the window
+        entries, [n, layers, D]."""
         pos = torch.tensor(list(positions), device=self.device)
         pages = torch.tensor(list(block_table), device=self.device)[pos // self.page_tokens]
         offsets = pos % self.page_tokens
+        if self.layout.page_class == "compressed":
+            return torch.stack([v.window[pages, offsets] for v in self._kv], dim=1)
         if self.layout.page_class == "latent":
             return torch.stack([layer[pages, offsets] for layer in self._kv], dim=1)
         out = []

@@ -346,7 +346,7 @@ class Scheduler:
             req.num_computed += k
             if k > 1 and not self.stateful:
                 self.memory.share_prefill(req)
-            if self.stateful and req.num_computed == self.memory.prompt_snapshot_at(req):
+            if req.num_computed == self.memory.prompt_snapshot_at(req):
                 self.memory.prompt_snapshot(req)
         now = time.perf_counter()
         m = self.metrics

@@ -112,8 +112,10 @@ class Rewinder(Protocol):
     """What a verify's rewind asks of the target's runner (``kern.engine.runner.Runner``)."""
 
     stateful: bool
+    whole_page_hits: bool
 
     def keep_rows(self, slot: int, num_rows: int) -> None: ...
+    def keep_positions(self, block_table: Sequence[int], start_pos: int, num_rows: int) -> None: ...
 
 
 def settle(req: Request, sent: int, accepted: int, runner: Rewinder, drafter: Drafter) -> None:
@@ -123,6 +125,9 @@ def settle(req: Request, sent: int, accepted: int, runner: Rewinder, drafter: Dr
     next chunk starts at ``num_computed`` and overwrites it, and the state is rewound to the
     row of the last token sent, exactly where rows 1 would leave it. The drafter hears what
     was accepted."""
+    if runner.whole_page_hits:
+        # DeepSeek-V4: the pooling state sits in the page of the last row the verify wrote.
+        runner.keep_positions(req.block_table, req.num_computed, sent)
     req.num_computed += sent
     if runner.stateful:
         assert req.slot is not None

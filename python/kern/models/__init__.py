@@ -5,6 +5,7 @@ from __future__ import annotations
 from kern.backend import Ops
 from kern.model_config import ModelConfig
 from kern.models.deepseek_v3 import DeepseekV3
+from kern.models.deepseek_v4 import DeepseekV4
 from kern.models.kimi_linear import KimiLinear
 from kern.models.layers import Caches, DecoderModel, Tensors
 from kern.models.qwen3 import Qwen3
@@ -18,6 +19,7 @@ _FAMILIES = {
     "qwen3_moe": Qwen3Moe,
     "qwen3_5": Qwen3_5,
     "deepseek_v3": DeepseekV3,
+    "deepseek_v4": DeepseekV4,
     "kimi_linear": KimiLinear,
 }
 

@@ -36,6 +36,7 @@ class SparseMoE:
         self.num_experts = c.num_experts
         self.norm_topk_prob = c.norm_topk_prob
         self.w_router = ops.prepare_linear(t[f"{prefix}gate.weight"])
+        self.act = ops.silu_and_mul  # an expert's activation on its gate | up columns
         self.w_gate_up: dict[int, Any] = {}
         self.w_down: dict[int, Any] = {}
         for e in range(c.num_experts):
@@ -72,7 +73,7 @@ class SparseMoE:
         start = 0
         for e, count in enumerate(counts):
             if count and e in self.w_down:
-                h = ops.silu_and_mul(ops.linear(xs[start : start + count], self.w_gate_up[e]))
+                h = self.act(ops.linear(xs[start : start + count], self.w_gate_up[e]))
                 ys[start : start + count] = ops.linear(h, self.w_down[e])
             start += count
         y = torch.empty_like(ys)

@@ -1,0 +1,321 @@
+"""DeepSeek-V4's attention over compressed pages (``kern.engine.compressed_layout``): the
+sliding window, the compressors' pooling, the lightning indexer's top-k and the attention
+with sinks over window and compressed entries, in torch ops on any device.
+
+Design notes
+------------
+* A row's bits depend on its own tokens only (not on the batch, the chunking, or where a
+  prefix hit ended), as for kern's other CPU paths:
+  - Dot products are an elementwise product and a sum over the last, fixed-length dim (D,
+    index_head_dim or the indexer's heads), never a matmul whose blocking follows the
+    batch.
+  - Sums over keys are ``_tree_sum`` over a zero-padded power-of-two length: a row's keys
+    come first, hidden slots and padding add exact zeros, so a longer batch row changes
+    nothing. The softmax max is exact in any order.
+  - The compressors pool online (``_update``): tokens enter a window's accumulator one at a
+    time in position order, vectorised across windows and sequences (every token at offset
+    ``j`` of its window in one op), so an entry's bits do not depend on the chunk that
+    closed it. This differs from transformers' softmax-then-sum by float32 rounding only.
+  - Top-k is a stable descending sort: equal scores keep the lower entry first, in prefill,
+    decode and any batch, so every path selects the same entries.
+* Costs: the products are [rows, heads, keys, D] tensors, fine for the tiny and CPU sizes
+  this serves; a Triton kernel for long contexts is the GPU's part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kern.backend.cpu_attention import _tree_sum
+from kern.batch import Step
+
+__all__ = [
+    "CompressedPlan",
+    "attend",
+    "index_topk",
+    "plan",
+    "pool",
+    "rewind",
+    "rope",
+    "rope_tables",
+]
+
+
+@dataclass(slots=True)
+class RatePlan:
+    """Rows against the windows of one compression rate ``m``."""
+
+    j: Tensor  # [R] offset of each row in its window
+    gid: Tensor  # [R] the row's window, numbered across the batch
+    num_windows: int
+    first: Tensor  # [B'] window id of each resumed sequence's first window
+    first_from: Tensor  # [B'] the page holding that sequence's previous token
+    prev_of: Tensor  # [G] the same sequence's previous window id, or -1
+    by_offset: list[Tensor]  # rows at each offset present, in offset order
+    closing: Tensor  # rows that close their window
+    entry_page: Tensor  # [len(closing)] page and slot of the entry they close
+    entry_slot: Tensor
+    visible_pages: Tensor  # [R, N] entries a row may see: (p + 1) // m of them
+    visible_slots: Tensor
+    visible: Tensor  # [R, N] bool
+
+
+@dataclass(slots=True)
+class CompressedPlan:
+    """A step's indices for every V4 layer (built once by :func:`plan`)."""
+
+    page_tokens: int
+    positions: Tensor  # [R]
+    row_page: Tensor  # [R] page and offset of each row's own position
+    row_offset: Tensor
+    window_pages: Tensor  # [R, W] the row's window, oldest first
+    window_offsets: Tensor
+    window_valid: Tensor  # [R, W] bool
+    state_rows: Tensor  # rows after which the page's accumulators are written
+    rates: dict[int, RatePlan] = field(default_factory=dict)
+    keep: Tensor | None = None  # rows whose accumulators are kept for a rewind
+    # (a layer's accumulator view, the kept rows' accumulators after them), by pool()
+    kept: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+
+def plan(
+    step: Step,
+    page_tokens: int,
+    window: int,
+    rates: tuple[int, ...],
+    keep: list[int] | None = None,
+) -> CompressedPlan:
+    """The indices of ``step`` for pages of ``page_tokens``, a sliding ``window`` and the
+    compression ``rates`` its layers use; the accumulators after rows ``keep`` are kept for
+    :func:`rewind`."""
+    dev = step.positions.device
+    pt = page_tokens
+    pos = step.positions.cpu()
+    lens = torch.tensor(step.q_lens)
+    seq = torch.repeat_interleave(torch.arange(len(step.q_lens)), lens)
+    tables = step.block_tables.cpu()
+    row_page = tables[seq, pos // pt]
+    back = torch.arange(window - 1, -1, -1)
+    wpos = pos[:, None] - back[None, :]
+    valid = wpos >= 0
+    wpos = wpos.clamp(min=0)
+    starts = torch.tensor([ctx - n for ctx, n in zip(step.ctx_lens, step.q_lens, strict=True)])
+    last = torch.zeros(len(pos), dtype=torch.bool)
+    ends = torch.tensor(step.q_starts) + lens - 1
+    last[ends] = True
+    state_rows = torch.nonzero(last | (pos % pt == pt - 1)).flatten()
+    p = CompressedPlan(
+        pt,
+        step.positions,
+        row_page.to(dev),
+        (pos % pt).to(dev),
+        tables[seq[:, None], wpos // pt].to(dev),
+        (wpos % pt).to(dev),
+        valid.to(dev),
+        state_rows.to(dev),
+    )
+    if keep:
+        p.keep = torch.tensor(keep, device=dev)
+    first_row = torch.tensor(step.q_starts)
+    for m in sorted(set(rates)):
+        p.rates[m] = _rate_plan(m, pt, pos, seq, tables, starts, first_row, dev)
+    return p
+
+
+def _rate_plan(m, pt, pos, seq, tables, starts, first_row, dev) -> RatePlan:
+    j = pos % m
+    opens = j == 0
+    opens[first_row] = True
+    gid = torch.cumsum(opens.long(), 0) - 1
+    num_windows = int(gid[-1]) + 1 if len(gid) else 0
+    prev_of = gid[opens] - 1
+    prev_of[gid[first_row]] = -1
+    resumed = torch.nonzero(starts > 0).flatten()
+    first = gid[first_row[resumed]]
+    first_from = tables[resumed, (starts[resumed] - 1) // pt]
+    by_offset = [torch.nonzero(j == k).flatten().to(dev) for k in range(m) if bool((j == k).any())]
+    closing = torch.nonzero(j == m - 1).flatten()
+    cpos = pos[closing]
+    entry_page = tables[seq[closing], cpos // pt]
+    entry_slot = (cpos % pt) // m
+    count = (pos + 1) // m
+    n = int(count.max()) if len(count) else 0
+    w = torch.arange(n)
+    last_token = (w * m + m - 1)[None, :].expand(len(pos), n)
+    visible = w[None, :] < count[:, None]
+    last_token = torch.where(visible, last_token, 0)
+    return RatePlan(
+        j.to(dev),
+        gid.to(dev),
+        num_windows,
+        first.to(dev),
+        first_from.to(dev),
+        prev_of.to(dev),
+        by_offset,
+        closing.to(dev),
+        entry_page.to(dev),
+        entry_slot.to(dev),
+        tables[seq[:, None], last_token // pt].to(dev),
+        ((last_token % pt) // m).to(dev),
+        visible.to(dev),
+    )
+
+
+def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """cos and sin [n, rope_dim / 2] at ``positions``, times ``scale`` (YaRN's factor)."""
+    freqs = positions[:, None].float() * inv_freq.to(positions.device)
+    cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos, sin
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """V4's interleaved RoPE on the trailing ``2 * cos.shape[-1]`` dims of x [n, ..., D]
+    (pairs (2i, 2i + 1) turned by angle i), in float32; pass ``-sin`` to turn back."""
+    half = cos.shape[-1]
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    head = x[..., : x.shape[-1] - 2 * half]
+    pairs = x[..., x.shape[-1] - 2 * half :].float()
+    even, odd = pairs[..., 0::2], pairs[..., 1::2]
+    turned = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return torch.cat([head, turned.flatten(-2).to(x.dtype)], dim=-1)
+
+
+def _empty(n: int, dim: int, device) -> Tensor:
+    acc = torch.zeros(n, 3, dim, device=device)
+    acc[:, 0] = float("-inf")
+    return acc
+
+
+def _update(acc: Tensor, kv: Tensor, g: Tensor) -> Tensor:
+    """One token into a softmax pooling: (max, sum of weights, weighted sum) [n, 3, dim]."""
+    top = torch.maximum(acc[:, 0], g)
+    old = torch.exp(acc[:, 0] - top)
+    new = torch.exp(g - top)
+    return torch.stack([top, acc[:, 1] * old + new, acc[:, 2] * old + kv * new], dim=1)
+
+
+def pool(p: CompressedPlan, m: int, kv: Tensor, gate: Tensor, state: Tensor, pair: bool) -> Tensor:
+    """Feed the step's rows into their windows' poolings and return the pooled values
+    [len(closing), dim] of the windows they close (before the norm and RoPE). ``kv`` and
+    ``gate`` (position bias added) are [R, 2 * dim] (``pair``: CSA's Ca | Cb) or [R, dim].
+    Reads the accumulators of each resumed sequence from ``state`` [P, A, 3, dim] and writes
+    them after every page end and chunk end."""
+    rp = p.rates[m]
+    kv, gate = kv.float(), gate.float()
+    dim = kv.shape[1] // 2 if pair else kv.shape[1]
+    dev = kv.device
+    rows = kv.shape[0]
+    cur = _empty(rp.num_windows, dim, dev)  # the entry each window closes
+    if len(rp.first):
+        cur[rp.first] = state[rp.first_from, 0]
+    hist = torch.empty(rows, 3, dim, device=dev)
+    nxt_hist = None
+    if pair:
+        # Ca (first half) of a window opens the next window's entry: pooled first, so the
+        # entry of window w takes its Ca tokens before its own Cb tokens.
+        nxt = _empty(rp.num_windows, dim, dev)
+        if len(rp.first):
+            nxt[rp.first] = state[rp.first_from, 1]
+        nxt_hist = torch.empty(rows, 3, dim, device=dev)
+        for r in rp.by_offset:
+            g = rp.gid[r]
+            nxt[g] = _update(nxt[g], kv[r, :dim], gate[r, :dim])
+            nxt_hist[r] = nxt[g]
+        later = torch.nonzero(rp.prev_of >= 0).flatten()
+        cur[later] = nxt[rp.prev_of[later]]
+        kv, gate = kv[:, dim:], gate[:, dim:]
+    for r in rp.by_offset:
+        g = rp.gid[r]
+        cur[g] = _update(cur[g], kv[r], gate[r])
+        hist[r] = cur[g]
+    closed = hist[rp.closing]
+    pooled = closed[:, 2] / closed[:, 1]
+    # After a window closes: CSA's entry of the next window is its Ca so far, HCA is empty.
+    if nxt_hist is not None:
+        hist[rp.closing] = nxt_hist[rp.closing]
+        nxt_hist[rp.closing] = _empty(len(rp.closing), dim, dev)
+        after = torch.stack([hist, nxt_hist], dim=1)
+    else:
+        hist[rp.closing] = _empty(len(rp.closing), dim, dev)
+        after = hist[:, None]
+    w = p.state_rows
+    state[p.row_page[w]] = after[w]
+    if p.keep is not None:
+        p.kept.append((state, after[p.keep]))
+    return pooled
+
+
+def rewind(p: CompressedPlan, row: int, page: int) -> None:
+    """Write the accumulators every layer had after kept row ``row`` (an index into the
+    plan's ``keep``) into ``page``: the state a verify's last accepted row leaves."""
+    for state, kept in p.kept:
+        state[page] = kept[row]
+
+
+def write_entries(p: CompressedPlan, m: int, entries: Tensor, view: Tensor) -> None:
+    """Store the entries the step's rows closed (``pool``'s order) in their pages."""
+    rp = p.rates[m]
+    view[rp.entry_page, rp.entry_slot] = entries.to(view.dtype)
+
+
+def index_topk(
+    p: CompressedPlan, m: int, q: Tensor, weights: Tensor, keys: Tensor, k: int, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The lightning indexer: for each row, the ``k`` visible entries with the highest
+    ``sum_h weights[h] * relu(q_h . key) * scale`` (ties: the lower entry), as (pages,
+    slots, valid) [R, k]."""
+    rp = p.rates[m]
+    rows = q.shape[0]
+    n = rp.visible.shape[1]
+    if n == 0:
+        z = torch.zeros(rows, k, dtype=torch.long, device=q.device)
+        return z, z, torch.zeros(rows, k, dtype=torch.bool, device=q.device)
+    cand = keys[rp.visible_pages, rp.visible_slots].float()  # [R, N, Di]
+    s = (q.float()[:, :, None, :] * cand[:, None, :, :]).sum(-1)  # [R, Hi, N]
+    s = torch.relu(s) * scale * weights.float()[:, :, None]
+    score = s.transpose(1, 2).contiguous().sum(-1)  # [R, N], the heads in order
+    score = score.masked_fill(~rp.visible, float("-inf"))
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
+    chosen = score.gather(1, order) > float("-inf")
+    pages = rp.visible_pages.gather(1, order)
+    slots = rp.visible_slots.gather(1, order)
+    if order.shape[1] < k:
+        pad = k - order.shape[1]
+        pages = torch.cat([pages, pages.new_zeros(rows, pad)], 1)
+        slots = torch.cat([slots, slots.new_zeros(rows, pad)], 1)
+        chosen = torch.cat([chosen, chosen.new_zeros(rows, pad)], 1)
+    return pages, slots, chosen
+
+
+def attend(
+    p: CompressedPlan,
+    q: Tensor,
+    window: Tensor,
+    extra: Tensor | None,
+    extra_valid: Tensor | None,
+    sinks: Tensor,
+    scale: float,
+) -> Tensor:
+    """Each row's heads q [R, H, D] over its window's entries and ``extra`` [R, N, D]
+    (compressed entries, ``extra_valid`` [R, N]), K = V, with a per-head sink logit in the
+    softmax's denominator -> [R, H, D] in q's dtype."""
+    keys = window[p.window_pages, p.window_offsets].float()  # [R, W, D]
+    valid = p.window_valid
+    if extra is not None and extra.shape[1]:
+        keys = torch.cat([keys, extra.float()], dim=1)
+        assert extra_valid is not None
+        valid = torch.cat([valid, extra_valid], dim=1)
+    s = (q.float()[:, :, None, :] * keys[:, None, :, :]).sum(-1) * scale  # [R, H, J]
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    sinks = sinks.float()[None, :]
+    top = torch.maximum(s.amax(-1), sinks)  # [R, H]
+    e = torch.exp(s - top[..., None])
+    denom = _tree_sum(e, 2) + torch.exp(sinks - top)
+    o = _tree_sum(e[..., None] * keys[:, None, :, :], 2) / denom[..., None]
+    return o.to(q.dtype)

@@ -1,0 +1,167 @@
+"""``deepseek_v4`` served: a folder transformers saved answers through ``kern serve`` as
+``kern run`` does; prefix hits (at page ends, mid-HCA-window, and at prompt-end snapshots)
+are exact; parked entries wake bit for bit; speculative rows rewind the pooling state; the
+page's bytes are the formula's. (Oracle cases: test_oracle.py; loading:
+test_deepseek_v4_load.py; batch invariance: test_invariance.py.)"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from support.scheduler import Harness, load, prompt
+
+from kern.checkpoint import load_checkpoint
+from kern.engine.generate import generate
+from kern.engine.layout import Layout
+from kern.errors import UsageError
+from kern.model_config import parse_config
+
+PT = 4  # pages of 4 tokens: the tiny HCA rate is 8, so every other page end is mid-window
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_dir):
+    return tiny_dir("deepseek_v4")
+
+
+def test_a_folder_transformers_saved_serves_like_kern_run(folder, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from support.server import MODEL, Server
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(folder / name, out / name)
+    ckpt = load_checkpoint(out)
+    eos = set(ckpt.tokenizer.eos_token_ids)
+    ids = prompt(11, 30)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)
+    assert generate(ckpt, ids, 20, page_tokens=16).ids == ref[0, len(ids) :].tolist()
+    s = Server(tmp_path, "v4", pool_bytes="1MiB", host_bytes="4MiB", model=out)
+    try:
+        for n, p in enumerate([ids, prompt(12, 45), prompt(13, 7)]):
+            body = {"model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0}
+            r = s.http.post("/v1/completions", json={**body, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            got = r.json()["choices"][0]["token_ids"]
+            want = generate(ckpt, p, 24, page_tokens=16).ids
+            cut = next((i + 1 for i, t in enumerate(want) if t in eos), len(want))
+            assert got == want[:cut], n
+        s.assert_no_leak()
+    finally:
+        s.close()
+
+
+def test_every_hit_is_exact_and_ends_where_the_state_is(folder):
+    """Prompts sharing j tokens with an answered one hit at j's last page end (a page's state
+    is that of its last written token), mid HCA window and mid sliding window included, and
+    answer as kern run does; a repeat hits its prompt-end snapshot, one token short."""
+    engine = load(folder, pool_bytes=2**20, host_bytes=4 * 2**20, page_tokens=PT)
+    h = Harness(engine)
+    base = prompt(21, 41)
+    first = h.submit(base, 10, ignore_eos=True)
+    h.run()
+    h.assert_identical(first)
+    for j in (4, 8, 13, 20, 23, 37):
+        req = h.submit(base[:j] + prompt(22 + j, 9), 8, ignore_eos=True)
+        h.run()
+        h.assert_identical(req)
+        assert req.cached_tokens == j - j % PT, j
+    again = h.submit(base, 10, ignore_eos=True)
+    h.run()
+    h.assert_identical(again)
+    assert again.cached_tokens == len(base) - 1
+    h.assert_idle_and_clean()
+
+
+def test_a_parked_entry_wakes_bit_for_bit(folder):
+    engine = load(folder, pool_bytes=2**20, host_bytes=8 * 2**20, page_tokens=PT)
+    h = Harness(engine)
+    req = h.submit(prompt(31, 26), 6, ignore_eos=True)
+    h.run()
+    mem, runner = h.sched.memory, engine.runner
+    tokens = req.prompt_ids + h.answer(req)[:-1]
+    m = mem.match(tokens)
+    assert m.hit_len == len(tokens)
+    before = runner.arena.page_rows[mem.pages(m)].clone()
+    mem.unlock(m.node)
+    while mem.make_room(mem.pages_free + 1):  # park everything the tree holds
+        pass
+    assert h.cache.stats().parked_pages >= len(before)
+    m = mem.match(tokens)
+    assert mem.wake(m.node)
+    woken = mem.match(tokens)
+    mem.unlock(m.node)
+    assert torch.equal(runner.arena.page_rows[mem.pages(woken)], before)
+    mem.unlock(woken.node)
+    nxt = h.submit(tokens + [h.answer(req)[-1], 5, 6], 5, ignore_eos=True)
+    h.run()
+    h.assert_identical(nxt)
+    assert nxt.cached_tokens == len(tokens)
+    h.assert_idle_and_clean()
+
+
+def test_speculative_rows_rewind_the_pooling_state(folder):
+    """n-gram drafts on a repetitive prompt: some accepted, some rejected (a rejected row may
+    have closed a window and written its page's state), and the answer is rows 1's."""
+    ckpt = load_checkpoint(folder)
+    base = prompt(41, 40)
+    p = base + base[:20] + base
+    one = generate(ckpt, p, 60, rows=1, page_tokens=PT)
+    five = generate(ckpt, p, 60, rows=5, page_tokens=PT)
+    assert 0 < five.num_accepted_tokens < five.num_draft_tokens
+    assert five.ids == one.ids
+
+
+def test_a_page_holds_the_formulas_bytes():
+    """Per page of ``pt`` tokens, in bf16 at the released Flash's dims (43 layers: 2 sliding,
+    then CSA and HCA alternating; head_dim 512, indexer keys 128): a 16-byte header, per layer
+    pt window entries, CSA pt / 4 entries and keys plus two float32 accumulators of each,
+    HCA max(1, pt / 128) entries and one accumulator."""
+    kinds = [0, 0] + [4, 128] * 20 + [4]
+    raw = {
+        "model_type": "deepseek_v4",
+        "vocab_size": 129280,
+        "hidden_size": 4096,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": len(kinds),
+        "num_attention_heads": 64,
+        "head_dim": 512,
+        "q_lora_rank": 1024,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 6,
+        "compress_ratios": kinds,
+        "index_head_dim": 128,
+        "index_n_heads": 64,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "qk_rope_head_dim": 64,
+    }
+    c = parse_config(raw)
+    d, di, item = 512, 128, 2
+    csa, hca = kinds.count(4), kinds.count(128)
+    for pt in (16, 64, 128, 256):
+        window = len(kinds) * pt * d * item
+        entries = csa * (pt // 4) * (d + di) * item + hca * max(1, pt // 128) * d * item
+        states = csa * 4 * 3 * 2 * (d + di) + hca * 4 * 3 * d
+        assert Layout.of(c, torch.bfloat16, pt).page_bytes == 16 + window + entries + states
+    with pytest.raises(ValueError, match="page_tokens 6 does not fit"):
+        Layout.of(c, torch.bfloat16, 6)
+
+
+def test_what_is_not_supported_is_refused_by_name(folder, tmp_path):
+    from kern.engine.targets import check_target
+    from kern.kern_toml import Target
+
+    ep = Target(name="t", checkpoint=folder, pool_bytes=2**20, ranks=2, parallel="ep")
+    with pytest.raises(UsageError, match="expert parallelism is not supported for deepseek_v4"):
+        check_target(ep, serving=True)
+    draft = Target(name="t", checkpoint=folder, pool_bytes=2**20, rows=(1, 4), draft=str(folder))
+    with pytest.raises(UsageError, match="a deepseek_v4 draft checkpoint is not supported"):
+        check_target(draft, serving=True)
