@@ -159,9 +159,23 @@ def test_what_is_not_supported_is_refused_by_name(folder, tmp_path):
     from kern.engine.targets import check_target
     from kern.kern_toml import Target
 
-    ep = Target(name="t", checkpoint=folder, pool_bytes=2**20, ranks=2, parallel="ep")
-    with pytest.raises(UsageError, match="expert parallelism is not supported for deepseek_v4"):
-        check_target(ep, serving=True)
+    tp = Target(name="t", checkpoint=folder, pool_bytes=2**20, ranks=2, parallel="tp")
+    with pytest.raises(UsageError, match="'tp' is implemented for .*, not deepseek_v4"):
+        check_target(tp, serving=True)
     draft = Target(name="t", checkpoint=folder, pool_bytes=2**20, rows=(1, 4), draft=str(folder))
     with pytest.raises(UsageError, match="a deepseek_v4 draft checkpoint is not supported"):
         check_target(draft, serving=True)
+
+
+def test_expert_parallel_ranks_hold_disjoint_experts_and_one_head(folder):
+    from kern.engine.ranks.shard import Shard, load_shard
+
+    full = load_checkpoint(folder)
+    parts = [load_shard(folder, Shard(r, 2, "ep")) for r in range(2)]
+    experts = [{n for n in p.tensors if ".ffn.experts." in n} for p in parts]
+    assert not experts[0] & experts[1]
+    assert experts[0] | experts[1] == {n for n in full.tensors if ".ffn.experts." in n}
+    for name in experts[1]:
+        assert torch.equal(parts[1].tensors[name], full.tensors[name])  # whole experts
+    assert torch.equal(parts[0].tensors["head.weight"], full.tensors["head.weight"])
+    assert parts[1].tensors["head.weight"].shape[0] == 1  # rank 1 computes no logits

@@ -132,13 +132,10 @@ def test_what_does_not_split_is_refused_by_name(tiny):
     c = tiny("qwen3").config
     with pytest.raises(ShardError, match="does not divide the model's num_attention_heads"):
         Shard(0, 3, "tp").check(c)
-    with pytest.raises(
-        ShardError, match="'ep' is implemented for qwen3_moe, deepseek_v3, kimi_linear, not qwen3"
-    ):
+    ep_families = "qwen3_moe, deepseek_v3, kimi_linear, deepseek_v4"
+    with pytest.raises(ShardError, match=f"'ep' is implemented for {ep_families}, not qwen3"):
         Shard(0, 2, "ep").check(c)
-    with pytest.raises(
-        ShardError, match="'ep' is implemented for qwen3_moe, deepseek_v3, kimi_linear, not qwen3_5"
-    ):
+    with pytest.raises(ShardError, match=f"'ep' is implemented for {ep_families}, not qwen3_5"):
         Shard(0, 2, "ep").check(tiny("qwen3_5").config)
     with pytest.raises(ShardError, match=r"does not divide the model's linear_num_key_heads \(2\)"):
         Shard(0, 4, "tp").check(

@@ -208,11 +208,6 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     if not target.checkpoint.is_dir():
         raise MissingFileError(f"{target.checkpoint}: no such checkpoint folder")
     config = load_config(target.checkpoint)
-    if config.model_type == "deepseek_v4" and target.ranks != 1:
-        raise UsageError(
-            f"{target.where('ranks')}: ranks = {target.ranks}: expert parallelism is not "
-            "supported for deepseek_v4 yet (ranks = 1)"
-        )
     if target.draft is not None and target.widest_rows < 2:
         raise UsageError(
             f"{target.where('draft')}: draft = {target.draft!r} drafts nothing at rows "

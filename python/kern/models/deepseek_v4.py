@@ -285,8 +285,9 @@ class MoE(SparseMoE):
             self.bias = t[f"{prefix}gate.bias"].float().to(ops.device)
         self.shared = ClampedMLP(ops, t, f"{prefix}shared_experts.", limit)
 
-    def choose(self, x: Tensor, token_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Each token's routing weights (x's dtype) and expert ids, [T, k] each."""
+    def route(self, x: Tensor, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Each token's routing weights (x's dtype) and expert ids, [T, k] each (a hash
+        layer's from ``token_ids``)."""
         ops = self.ops
         logits = ops.linear(x, self.w_router).float()
         if self.scoring == "sqrtsoftplus":
@@ -294,6 +295,7 @@ class MoE(SparseMoE):
         else:
             scores = ops.sigmoid(logits)
         if self.hashed:
+            assert token_ids is not None, "a hash-routed layer routes by token ids"
             experts = self.tid2eid[token_ids]
         else:
             experts = torch.topk(scores + self.bias, self.top_k, dim=-1)[1]
@@ -302,7 +304,7 @@ class MoE(SparseMoE):
         return (weights * self.scaling).to(x.dtype), experts
 
     def __call__(self, x: Tensor, token_ids: Tensor) -> Tensor:  # type: ignore[override]
-        weights, experts = self.choose(x, token_ids)
+        weights, experts = self.route(x, token_ids)
         return self.combine(self.expert_outputs(x, experts), weights) + self.shared(x)
 
 
@@ -318,7 +320,7 @@ class Block:
         self.attn_norm = ops.prepare_norm(t[p + "attn_norm.weight"])
         self.ffn_norm = ops.prepare_norm(t[p + "ffn_norm.weight"])
         self.attn = Attention(ops, c, t, p + "attn.", i)
-        self.ffn = MoE(ops, c, t, p + "ffn.", c.mlp_layer_types[i] == "hash_moe")
+        self.mlp = MoE(ops, c, t, p + "ffn.", c.mlp_layer_types[i] == "hash_moe")
 
     def __call__(self, streams: Tensor, step: Step, caches: Caches) -> Tensor:
         ops = self.ops
@@ -326,7 +328,7 @@ class Block:
         out = self.attn(ops.rms_norm(x, self.attn_norm, self.eps), step, caches)
         streams = HyperConnection.merge(post, comb, out, streams)
         post, comb, x = self.ffn_hc(streams)
-        out = self.ffn(ops.rms_norm(x, self.ffn_norm, self.eps), step.token_ids)
+        out = self.mlp(ops.rms_norm(x, self.ffn_norm, self.eps), step.token_ids)
         return HyperConnection.merge(post, comb, out, streams)
 
 

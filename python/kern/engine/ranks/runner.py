@@ -33,7 +33,7 @@ class _Plan:
 
 
 # Runner methods that change nothing a rank holds: rank 0 runs them alone.
-_READ_ONLY = frozenset({"kv_at"})
+_READ_ONLY = frozenset({"kv_at", "state_end"})
 
 
 class RankedRunner:
@@ -78,6 +78,9 @@ class RankedRunner:
 
     def keep_rows(self, slot: int, num_rows: int) -> None:
         self._call("keep_rows", slot, num_rows)
+
+    def keep_positions(self, block_table: Sequence[int], start_pos: int, num_rows: int) -> None:
+        self._call("keep_positions", list(block_table), start_pos, num_rows)
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         self._call("copy_pages", list(src), list(dst))

@@ -26,7 +26,8 @@ Design notes
   and only the routed experts are split as above. No partial sum is left anywhere but in
   the experts' disjoint slots, so every layer gives exactly the bits one rank gives.
   ``kimi_linear`` likewise: its delta attention is replicated too, every rank keeping every
-  sequence's whole state in its own slots (the same slot ids on every rank).
+  sequence's whole state in its own slots (the same slot ids on every rank); and
+  ``deepseek_v4``, whose compressed pages every rank holds whole.
 * Partial sums are joined by an all-gather and a sum in rank order, ``((p0 + p1) + p2) + ...``,
   not by an all-reduce: an all-reduce's order of additions is the library's choice and may
   depend on the message size (so on the batch) beyond 2 ranks; a fixed order keeps a row's
@@ -70,11 +71,11 @@ __all__ = [
 # What each parallel mode splits, and the families it is implemented for.
 PARALLEL = {
     "tp": ("qwen3", "qwen3_moe", "qwen3_5"),
-    "ep": ("qwen3_moe", "deepseek_v3", "kimi_linear"),
+    "ep": ("qwen3_moe", "deepseek_v3", "kimi_linear", "deepseek_v4"),
 }
 
 # Families whose ep shards split only the routed experts (everything else replicated).
-_EXPERTS_ONLY = ("deepseek_v3", "kimi_linear")
+_EXPERTS_ONLY = ("deepseek_v3", "kimi_linear", "deepseek_v4")
 
 
 class ShardError(ValueError):
@@ -146,7 +147,7 @@ class Shard:
         concatenated along that dim; None for the whole tensor. Raises ``KeyError`` for a
         tensor it does not read at all."""
         n, r = self.num_ranks, self.rank
-        if name == "lm_head.weight" and r != 0:
+        if name == _head(c) and r != 0:
             raise KeyError(name)
         parts = name.split(".")
         if "experts" in parts:
@@ -176,6 +177,11 @@ class Shard:
             cols = shape[1] // n
             return [(1, r * cols, (r + 1) * cols)]
         return None
+
+
+def _head(c: ModelConfig) -> str:
+    """The LM head's tensor (DeepSeek-V4 keeps its own name, ``head.weight``)."""
+    return "head.weight" if c.model_type == "deepseek_v4" else "lm_head.weight"
 
 
 _ROWS = {
@@ -245,7 +251,7 @@ def load_shard(
         if not full.tie_word_embeddings:
             # Only rank 0 computes logits (Headless): the head the model is built with here
             # is one row, never multiplied.
-            tensors["lm_head.weight"] = torch.zeros(1, full.hidden_size, dtype=dtype)
+            tensors[_head(full)] = torch.zeros(1, full.hidden_size, dtype=dtype)
     return Checkpoint(path=path, config=shard.config(full), tensors=tensors, tokenizer=tokenizer)
 
 
@@ -301,11 +307,11 @@ class _ExpertParallel:
         self.moe = moe
         self.comm = comm
 
-    def __call__(self, x: Tensor) -> Tensor:
-        weights, experts = self.moe.route(x)
+    def __call__(self, x: Tensor, *args: Any) -> Tensor:
+        weights, experts = self.moe.route(x, *args)  # deepseek_v4's hash layers: token ids
         y = self.comm.sum_disjoint(self.moe.expert_outputs(x, experts))
         out = self.moe.combine(y, weights)
-        shared = getattr(self.moe, "shared", None)  # deepseek_v3's, replicated on every rank
+        shared = getattr(self.moe, "shared", None)  # DeepSeek's, replicated on every rank
         return out if shared is None else out + shared(x)
 
 
