@@ -18,8 +18,8 @@ Design notes
     closed it. This differs from transformers' softmax-then-sum by float32 rounding only.
   - Top-k is a stable descending sort: equal scores keep the lower entry first, in prefill,
     decode and any batch, so every path selects the same entries.
-* Costs: the products are [rows, heads, keys, D] tensors, fine for the tiny and CPU sizes
-  this serves; a Triton kernel for long contexts is the GPU's part.
+* Costs: the products are [rows, heads, keys, D] tensors, taken in tiles of rows under
+  ``_TILE_ELEMENTS``; a Triton kernel for long contexts is the GPU's part.
 """
 
 from __future__ import annotations
@@ -276,10 +276,12 @@ def index_topk(
     if n == 0:
         z = torch.zeros(rows, k, dtype=torch.long, device=q.device)
         return z, z, torch.zeros(rows, k, dtype=torch.bool, device=q.device)
-    cand = keys[rp.visible_pages, rp.visible_slots].float()  # [R, N, Di]
-    s = (q.float()[:, :, None, :] * cand[:, None, :, :]).sum(-1)  # [R, Hi, N]
-    s = torch.relu(s) * scale * weights.float()[:, :, None]
-    score = s.transpose(1, 2).contiguous().sum(-1)  # [R, N], the heads in order
+    score = torch.empty(rows, n, device=q.device)
+    for a, b in _tiles(rows, q.shape[1] * n * q.shape[2]):
+        cand = keys[rp.visible_pages[a:b], rp.visible_slots[a:b]].float()  # [r, N, Di]
+        s = (q[a:b].float()[:, :, None, :] * cand[:, None, :, :]).sum(-1)  # [r, Hi, N]
+        s = torch.relu(s) * scale * weights[a:b].float()[:, :, None]
+        score[a:b] = s.transpose(1, 2).contiguous().sum(-1)  # the heads in order
     score = score.masked_fill(~rp.visible, float("-inf"))
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
     chosen = score.gather(1, order) > float("-inf")
@@ -305,17 +307,32 @@ def attend(
     """Each row's heads q [R, H, D] over its window's entries and ``extra`` [R, N, D]
     (compressed entries, ``extra_valid`` [R, N]), K = V, with a per-head sink logit in the
     softmax's denominator -> [R, H, D] in q's dtype."""
-    keys = window[p.window_pages, p.window_offsets].float()  # [R, W, D]
-    valid = p.window_valid
-    if extra is not None and extra.shape[1]:
-        keys = torch.cat([keys, extra.float()], dim=1)
-        assert extra_valid is not None
-        valid = torch.cat([valid, extra_valid], dim=1)
-    s = (q.float()[:, :, None, :] * keys[:, None, :, :]).sum(-1) * scale  # [R, H, J]
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    out = torch.empty_like(q)
+    num_keys = p.window_pages.shape[1] + (0 if extra is None else extra.shape[1])
     sinks = sinks.float()[None, :]
-    top = torch.maximum(s.amax(-1), sinks)  # [R, H]
-    e = torch.exp(s - top[..., None])
-    denom = _tree_sum(e, 2) + torch.exp(sinks - top)
-    o = _tree_sum(e[..., None] * keys[:, None, :, :], 2) / denom[..., None]
-    return o.to(q.dtype)
+    for a, b in _tiles(q.shape[0], q.shape[1] * num_keys * q.shape[2]):
+        keys = window[p.window_pages[a:b], p.window_offsets[a:b]].float()  # [r, W, D]
+        valid = p.window_valid[a:b]
+        if extra is not None and extra.shape[1]:
+            assert extra_valid is not None
+            keys = torch.cat([keys, extra[a:b].float()], dim=1)
+            valid = torch.cat([valid, extra_valid[a:b]], dim=1)
+        s = (q[a:b].float()[:, :, None, :] * keys[:, None, :, :]).sum(-1) * scale  # [r, H, J]
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        top = torch.maximum(s.amax(-1), sinks)  # [r, H]
+        e = torch.exp(s - top[..., None])
+        denom = _tree_sum(e, 2) + torch.exp(sinks - top)
+        o = _tree_sum(e[..., None] * keys[:, None, :, :], 2) / denom[..., None]
+        out[a:b] = o.to(q.dtype)
+    return out
+
+
+# Elements of a tile's largest product ([rows, heads, keys, dim]): 16M floats, 64 MB.
+_TILE_ELEMENTS = 1 << 24
+
+
+def _tiles(rows: int, per_row: int) -> list[tuple[int, int]]:
+    """Row ranges whose products stay under ``_TILE_ELEMENTS`` (a row's bits do not depend
+    on its tile: every op is per row)."""
+    step = max(1, _TILE_ELEMENTS // max(1, per_row))
+    return [(a, min(a + step, rows)) for a in range(0, rows, step)]

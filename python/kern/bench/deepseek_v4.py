@@ -1,0 +1,220 @@
+"""DeepSeek-V4: ``python -m kern.bench.deepseek_v4``.
+
+1. Bytes at the released dims (bf16): a compressed page of 16 and of 128 tokens
+   (``Layout.of``) against the formula of ``kern.engine.compressed_layout``, a token's share,
+   a million-token sequence, and vLLM's quoted figure for Pro beside it.
+2. CPU decode of the tiny config (``make-tiny deepseek_v4``, or ``--model``) at batch 1 and
+   ``--batch`` against transformers' ``DeepseekV4ForCausalLM.generate`` in the same run,
+   float32, best of ``--repeat``: ``--steps`` greedy tokens after a ``--prompt``-token
+   prefill (prompts of one length: transformers' compressors count left pads). The greedy
+   answers must be equal.
+3. Prefill of ``--long`` tokens (in chunks of 512, as a server's step budget takes it) on
+   the tiny config, with the share of the time in the indexer (its pooling and its top-k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kern.arith import cdiv
+from kern.bench.forward import best
+from kern.engine.layout import Layout
+from kern.model_config import parse_config
+
+__all__ = ["main"]
+
+FLASH = [0, 0] + [4, 128] * 20 + [4]  # 43 layers: 2 sliding, then CSA and HCA alternating
+PRO = [128, 128] + [4 if i % 2 else 128 for i in range(59)]  # transformers' default, 61
+VLLM_PRO_GIB = 9.6  # vLLM's quoted KV for a million-token Pro sequence, bf16
+
+
+def released(kinds: list[int], hidden: int, heads: int) -> dict:
+    return {
+        "model_type": "deepseek_v4",
+        "vocab_size": 129280,
+        "hidden_size": hidden,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": len(kinds),
+        "num_attention_heads": heads,
+        "head_dim": 512,
+        "q_lora_rank": 1024,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 6,
+        "compress_ratios": kinds,
+        "index_head_dim": 128,
+        "index_n_heads": 64,
+        "o_groups": heads // 8,
+        "o_lora_rank": 1024,
+        "qk_rope_head_dim": 64,
+    }
+
+
+def bytes_rows() -> list[str]:
+    rows = [
+        "| config | page tokens | page bytes | formula | bytes a token | a 1M-token sequence |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    d, di, item = 512, 128, 2
+    for name, kinds, hidden, heads in (("Flash", FLASH, 4096, 64), ("Pro", PRO, 7168, 128)):
+        c = parse_config(released(kinds, hidden, heads))
+        csa, hca = kinds.count(4), kinds.count(128)
+        for pt in (16, 128):
+            page = Layout.of(c, torch.bfloat16, pt).page_bytes
+            formula = (
+                16
+                + len(kinds) * pt * d * item
+                + csa * (pt // 4) * (d + di) * item
+                + hca * max(1, pt // 128) * d * item
+                + csa * 4 * 3 * 2 * (d + di)
+                + hca * 4 * 3 * d
+            )
+            seq = page * cdiv(10**6, pt) / 2**30
+            rows.append(
+                f"| {name} ({csa} CSA, {hca} HCA, {kinds.count(0)} sliding) | {pt} | "
+                f"{page:,} | {formula:,} | {page / pt:,.0f} | {seq:.1f} GiB |"
+            )
+    rows.append(f"| Pro, vLLM's quoted figure | | | | | {VLLM_PRO_GIB} GiB |")
+    return rows
+
+
+def _prompts(vocab: int, batch: int, n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab - 3, (batch, n), generator=gen).tolist()
+
+
+def kern_decode(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy ``steps`` tokens for every prompt, batched, on ``runner``'s pages (each
+    sequence starts at position 0, so what earlier calls left there is never read)."""
+    from kern.chunk import SeqChunk
+
+    n = len(prompts[0])
+    per = runner.num_pages // len(prompts)
+    tables = [list(range(b * per, (b + 1) * per)) for b in range(len(prompts))]
+    logits = runner.forward([SeqChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    out = [[int(t)] for t in logits.argmax(-1)]
+    for s in range(steps - 1):
+        chunks = [SeqChunk([o[-1]], n + s, t) for o, t in zip(out, tables, strict=True)]
+        for o, t in zip(out, runner.forward(chunks).argmax(-1), strict=True):
+            o.append(int(t))
+    return out
+
+
+def speed_rows(model: Path, prompt_len: int, steps: int, batch: int, repeat: int) -> list[str]:
+    import transformers
+
+    from kern.checkpoint import load_checkpoint
+    from kern.engine.runner import Runner
+
+    ckpt = load_checkpoint(model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    # No end-of-sequence: every answer runs ``steps`` tokens on both sides, and no logits
+    # processor masks the end token (min_new_tokens would, where kern's argmax may pick it).
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    rows = ["| batch | kern tokens/s | transformers tokens/s | kern / transformers |"]
+    rows.append("| ---: | ---: | ---: | ---: |")
+    for b in (1, batch):
+        prompts = _prompts(ckpt.config.vocab_size, b, prompt_len)
+
+        def theirs(prompts=prompts) -> list[list[int]]:
+            with torch.no_grad():
+                ids = torch.tensor(prompts)
+                out = hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=steps,
+                    do_sample=False,
+                )
+            return out[:, prompt_len:].tolist()
+
+        pages = b * cdiv(prompt_len + steps, 16)
+        runner = Runner.with_pages(ckpt, num_pages=pages, page_tokens=16)
+        if kern_decode(runner, prompts, steps) != theirs():
+            raise SystemExit(f"batch {b}: kern's greedy answers differ from transformers'")
+        ours = best(lambda r=runner, p=prompts: kern_decode(r, p, steps), repeat)
+        hf_s = best(theirs, repeat)
+        rows.append(
+            f"| {b} | {b * steps / ours:.1f} | {b * steps / hf_s:.1f} | {hf_s / ours:.2f}x |"
+        )
+    return rows
+
+
+def prefill_rows(model: Path, long: int) -> list[str]:
+    from kern.backend import compressed_attention as ca
+    from kern.checkpoint import load_checkpoint
+    from kern.chunk import SeqChunk
+    from kern.engine.runner import Runner
+
+    ckpt = load_checkpoint(model)
+    spent = {"indexer": 0.0}
+    top_k = ca.index_topk
+
+    def timed_topk(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return top_k(*args, **kw)
+        finally:
+            spent["indexer"] += time.perf_counter() - t
+
+    ids = _prompts(ckpt.config.vocab_size, 1, long)[0]
+    runner = Runner.with_pages(ckpt, num_pages=cdiv(long, 16), page_tokens=16)
+    table = list(range(runner.num_pages))
+    ca.index_topk = timed_topk
+    try:
+        t0 = time.perf_counter()
+        for a in range(0, long, 512):
+            runner.forward([SeqChunk(ids[a : a + 512], a, table, logits="none")])
+        total = time.perf_counter() - t0
+    finally:
+        ca.index_topk = top_k
+    return [
+        "| prompt tokens | prefill s | tokens/s | indexer top-k s | indexer share |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+        f"| {long} | {total:.2f} | {long / total:.0f} | {spent['indexer']:.2f} | "
+        f"{spent['indexer'] / total:.0%} |",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m kern.bench.deepseek_v4", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", type=Path, default=None, help="a deepseek_v4 folder (default: tiny)")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
+    p.add_argument("--steps", type=int, default=32, help="greedy tokens (default 32)")
+    p.add_argument("--batch", type=int, default=32, help="the larger batch (default 32)")
+    p.add_argument("--long", type=int, default=8192, help="the long prefill (default 8192)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(
+        f"kern.bench.deepseek_v4: torch {torch.__version__}, {args.threads} threads, load "
+        f"average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n"
+    )
+    print("## Bytes at the released dims (bf16)\n")
+    print("\n".join(bytes_rows()))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from kern.tiny import make_tiny
+
+            model = make_tiny("deepseek_v4", Path(tmp) / "deepseek_v4", seed=0)
+        name = str(args.model) if args.model else "make-tiny deepseek_v4, seed 0"
+        print(f"\n## CPU decode, {name}, against transformers (float32, best of {args.repeat})\n")
+        print("\n".join(speed_rows(model, args.prompt, args.steps, args.batch, args.repeat)))
+        print(f"\n## Prefill of {args.long} tokens in chunks of 512, {name}\n")
+        print("\n".join(prefill_rows(model, args.long)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
