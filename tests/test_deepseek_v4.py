@@ -124,25 +124,10 @@ def test_a_page_holds_the_formulas_bytes():
     then CSA and HCA alternating; head_dim 512, indexer keys 128): a 16-byte header, per layer
     pt window entries, CSA pt / 4 entries and keys plus two float32 accumulators of each,
     HCA max(1, pt / 128) entries and one accumulator."""
-    kinds = [0, 0] + [4, 128] * 20 + [4]
-    raw = {
-        "model_type": "deepseek_v4",
-        "vocab_size": 129280,
-        "hidden_size": 4096,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": len(kinds),
-        "num_attention_heads": 64,
-        "head_dim": 512,
-        "q_lora_rank": 1024,
-        "n_routed_experts": 256,
-        "num_experts_per_tok": 6,
-        "compress_ratios": kinds,
-        "index_head_dim": 128,
-        "index_n_heads": 64,
-        "o_groups": 8,
-        "o_lora_rank": 1024,
-        "qk_rope_head_dim": 64,
-    }
+    from kern.bench.deepseek_v4 import FLASH, released
+
+    kinds = FLASH
+    raw = released(kinds, 4096, 64)
     c = parse_config(raw)
     d, di, item = 512, 128, 2
     csa, hca = kinds.count(4), kinds.count(128)
@@ -165,6 +150,9 @@ def test_what_is_not_supported_is_refused_by_name(folder, tmp_path):
     draft = Target(name="t", checkpoint=folder, pool_bytes=2**20, rows=(1, 4), draft=str(folder))
     with pytest.raises(UsageError, match="a deepseek_v4 draft checkpoint is not supported"):
         check_target(draft, serving=True)
+    odd = Target(name="t", checkpoint=folder, pool_bytes=2**20, page_tokens=6)
+    with pytest.raises(UsageError, match="page_tokens 6 does not fit .* rate 4"):
+        check_target(odd, serving=True)
 
 
 def test_expert_parallel_ranks_hold_disjoint_experts_and_one_head(folder):

@@ -208,6 +208,15 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     if not target.checkpoint.is_dir():
         raise MissingFileError(f"{target.checkpoint}: no such checkpoint folder")
     config = load_config(target.checkpoint)
+    if config.model_type == "deepseek_v4":
+        import torch
+
+        from kern.engine.compressed_layout import CompressedPage
+
+        try:  # pages must hold whole compression windows (or whole pages a window)
+            CompressedPage.of(config, torch.float32, target.page_tokens)
+        except ValueError as e:
+            raise UsageError(f"{target.where('page_tokens')}: {e}") from None
     if target.draft is not None and target.widest_rows < 2:
         raise UsageError(
             f"{target.where('draft')}: draft = {target.draft!r} drafts nothing at rows "
