@@ -346,7 +346,8 @@ class DeepseekV4:
         self.config = c
         self.embed = _param(ops, t["model.embed_tokens.weight"])
         self.final_norm = ops.prepare_norm(t["model.norm.weight"])
-        self.w_head = ops.prepare_linear(t["head.weight"])
+        tied = c.tie_word_embeddings
+        self.w_head = ops.prepare_linear(t["model.embed_tokens.weight" if tied else "head.weight"])
         hc = "model.hc_head.hc_"
         self.head_hc = HyperConnection(ops, c, t[hc + "fn"], t[hc + "base"], t[hc + "scale"])
         self.layers = [Block(ops, c, t, i) for i in range(c.num_hidden_layers)]
