@@ -90,6 +90,7 @@ CASES = {
         dict(layer_types=["sliding_attention", "heavily_compressed_attention"] * 2),
     ),
     "deepseek_v4-default": ("deepseek_v4", dict(), {}),
+    "deepseek_v4-tied": ("deepseek_v4", dict(tie_embeddings=True), {}),
     # The released Flash schedule's shape (two sliding layers, then CSA and HCA alternating,
     # three hash-routed layers first) with YaRN on the compressed layers' RoPE.
     "deepseek_v4-flash-shape-yarn": (
