@@ -159,3 +159,22 @@ def test_empty_and_bad_shapes(fns):
         fns.sparse_attention(q, keys, key_rows, valid.int(), sinks, scale)
     with pytest.raises(ValueError, match="keys"):
         fns.sparse_attention(q, keys[:, :32], key_rows, valid, sinks, scale)
+
+
+def test_an_overlapping_table_over_a_whole_arena():
+    """The table kern's CUDA backend passes (``compressed_attention.key_rows``): every
+    element of an arena starts a row (stride 1 between rows), rows picked at part offsets
+    inside pages; kernel and reference read the same values."""
+    dim, heads, rows, num_keys = 64, 4, 3, 10
+    arena = torch.randn(6 * 1000 + dim)
+    table = arena.as_strided((arena.numel() - dim + 1, dim), (1, 1), 0)
+    key_rows = torch.randint(0, 6, (rows, num_keys)) * 1000 + 16 + torch.randint(0, 8, (1,)) * dim
+    valid = torch.rand(rows, num_keys) < 0.8
+    valid[:, -1] = True
+    q = torch.randn(rows, heads, dim)
+    sinks = torch.randn(heads)
+    want = reference.sparse_attention(q, table, key_rows, valid, sinks, dim**-0.5)
+    got = sparse_attention.sparse_attention(q, table, key_rows, valid, sinks, dim**-0.5)
+    gathered = arena.unfold(0, dim, 1)[key_rows]  # the same rows, copied out
+    assert torch.equal(table[key_rows], gathered)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -36,6 +36,7 @@ __all__ = [
     "CompressedPlan",
     "attend",
     "index_topk",
+    "key_rows",
     "plan",
     "pool",
     "rewind",
@@ -325,6 +326,33 @@ def attend(
         o = _tree_sum(e[..., None] * keys[:, None, :, :], 2) / denom[..., None]
         out[a:b] = o.to(q.dtype)
     return out
+
+
+def key_rows(
+    p: CompressedPlan,
+    window: Tensor,
+    entries: Tensor | None,
+    pages: Tensor | None,
+    slots: Tensor | None,
+    extra_valid: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """For a kernel that reads keys by row (``kern.kernels.sparse_attention``): a table over
+    the whole arena whose row ``i`` is the ``head_dim`` values from element ``i`` on (rows
+    overlap: any part of any page is a row, with no alignment asked of the layout), each
+    query row's key rows (its window, then ``entries[pages, slots]``) and their validity."""
+
+    def rows_of(view: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        return view.storage_offset() + a * view.stride(0) + b * view.stride(1)
+
+    rows = rows_of(window, p.window_pages, p.window_offsets)
+    valid = p.window_valid
+    if pages is not None and pages.shape[1]:
+        assert entries is not None and slots is not None and extra_valid is not None
+        rows = torch.cat([rows, rows_of(entries, pages, slots)], dim=1)
+        valid = torch.cat([valid, extra_valid], dim=1)
+    dim = window.shape[-1]
+    n = window.untyped_storage().nbytes() // window.element_size() - dim + 1
+    return window.as_strided((n, dim), (1, 1), 0), rows, valid
 
 
 # Elements of a tile's largest product ([rows, heads, keys, dim]): 16M floats, 64 MB.

@@ -37,6 +37,7 @@ class CudaOps:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._attn = self._kernel("paged_attention")
+        self._sparse = self._kernel("sparse_attention")
         self._norm = self._kernel("rms_norm")
         self._rotary = self._kernel("rotary")
         self._act = self._kernel("silu_and_mul")
@@ -183,6 +184,13 @@ class CudaOps:
         return self._mla.mla_attention(
             q.contiguous(), cache, p.block_tables, p.seq_lens, p.query_start_loc, scale, v_dim
         )
+
+    def sparse_attention(
+        self, q: Tensor, keys: Tensor, key_rows: Tensor, valid: Tensor, sinks: Tensor, scale: float
+    ) -> Tensor:
+        """DeepSeek-V4's attention with sinks over rows of ``keys`` (a table over the arena,
+        ``kern.backend.compressed_attention.key_rows``)."""
+        return self._sparse.sparse_attention(q.contiguous(), keys, key_rows, valid, sinks, scale)
 
     def prepare_head_linear(self, w: Tensor) -> Tensor:
         """Per-head weights [H, out, in], stored [H, in, out] for one batched matmul."""

@@ -210,7 +210,7 @@ class Attention:
         q = ca.rope(ops.rms_norm(q, self.ones, self.eps), cos, sin)
         kv = ca.rope(ops.rms_norm(parts[1], self.kv_norm, self.eps), cos, sin)
         views.window[p.row_page, p.row_offset] = kv.to(views.window.dtype)
-        extra = extra_valid = None
+        pages = slots = extra_valid = None
         if self.compressor is not None:
             assert views.entries is not None and views.state is not None
             m = self.compressor.rate
@@ -218,8 +218,7 @@ class Attention:
             ca.write_entries(p, m, entries, views.entries)
             if self.indexer is None:
                 rp = p.rates[m]
-                extra = views.entries[rp.visible_pages, rp.visible_slots]
-                extra_valid = rp.visible
+                pages, slots, extra_valid = rp.visible_pages, rp.visible_slots, rp.visible
             else:
                 assert views.keys is not None and views.index_state is not None
                 keys = self.indexer(ops, p, parts[3], views.index_state, rope)
@@ -230,8 +229,14 @@ class Attention:
                 pages, slots, extra_valid = ca.index_topk(
                     p, m, iq, weights, views.keys, self.topk, self.di**-0.5
                 )
-                extra = views.entries[pages, slots]
-        o = ca.attend(p, q, views.window, extra, extra_valid, self.sinks, self.scale)
+        if ops.is_cpu:
+            extra = None if pages is None else views.entries[pages, slots]
+            o = ca.attend(p, q, views.window, extra, extra_valid, self.sinks, self.scale)
+        else:
+            table, rows, valid = ca.key_rows(
+                p, views.window, views.entries, pages, slots, extra_valid
+            )
+            o = ops.sparse_attention(q, table, rows, valid, self.sinks, self.scale)
         o = ca.rope(o, cos, -sin).reshape(n, self.groups, -1)
         o = torch.cat([ops.linear(o[:, g], w) for g, w in enumerate(self.w_oa)], dim=1)
         return ops.linear(o, self.w_ob)
