@@ -101,16 +101,6 @@ def test_a_folder_transformers_saved_parses_and_loads(folders, tmp_path):
     assert config.intermediate_size == config.moe_intermediate_size == 32
 
 
-def test_t1_reference_folder(tmp_path):
-    """The hand-made transformers folder the family was started from (when present)."""
-    t1 = Path("/work/v4/t1")
-    if not (t1 / "config.json").is_file():
-        pytest.skip("no /work/v4/t1 on this machine")
-    c = load_config(t1)
-    assert c.layer_types[2:] == ("compressed_sparse_attention", "heavily_compressed_attention")
-    assert {k: s for k, (s, _) in header(t1).items()} == expected_shapes(c)
-
-
 LEGACY = {
     "flat yarn": dict(
         rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 64},
