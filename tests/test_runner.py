@@ -357,7 +357,10 @@ def _compare_backends(cpu: Runner, other: Runner) -> None:
             other.keep_rows(0, 2)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3", "kimi_linear"])
+FAMILIES = ["qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3", "kimi_linear", "deepseek_v4"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_triton_backend_matches_cpu(family, tmp_path, monkeypatch):
     # Read when triton and a kernel module are first imported: set before either.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -369,7 +372,7 @@ def test_triton_backend_matches_cpu(family, tmp_path, monkeypatch):
     _compare_backends(cpu, other)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3", "kimi_linear"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_reference_backend_matches_cpu(family, tmp_path):
     ckpt = load_checkpoint(make_tiny(family, tmp_path / family))
     cpu = Runner.with_pages(ckpt, num_pages=8, page_tokens=PAGE, num_slots=2)

@@ -12,12 +12,17 @@ Design notes
   - Sums over keys are ``_tree_sum`` over a zero-padded power-of-two length: a row's keys
     come first, hidden slots and padding add exact zeros, so a longer batch row changes
     nothing. The softmax max is exact in any order.
-  - The compressors pool online (``_update``): tokens enter a window's accumulator one at a
-    time in position order, vectorised across windows and sequences (every token at offset
-    ``j`` of its window in one op), so an entry's bits do not depend on the chunk that
-    closed it. This differs from transformers' softmax-then-sum by float32 rounding only.
-  - Top-k is a stable descending sort: equal scores keep the lower entry first, in prefill,
-    decode and any batch, so every path selects the same entries.
+  - The compressors pool online (``kern.kernels.compressor_pool``): tokens enter a window's
+    accumulator one at a time in position order, so an entry's bits do not depend on the
+    chunk that closed it. This differs from transformers' softmax-then-sum by float32
+    rounding only.
+  - Top-k (``kern.kernels.index_topk``) sorts unique keys packing the score above the
+    slot: equal scores keep the lower entry first, in prefill, decode and any batch, so
+    every path selects the same entries.
+* The kernels run through ``ops`` (``compressor_pool``, ``index_topk``,
+  ``sparse_attention``): the CPU backend takes their torch references, the CUDA backend
+  their Triton versions, reading keys by row from a table over the whole arena
+  (:func:`key_rows`).
 * Costs: the products are [rows, heads, keys, D] tensors, taken in tiles of rows under
   ``_TILE_ELEMENTS``; a Triton kernel for long contexts is the GPU's part.
 """
@@ -31,6 +36,7 @@ from torch import Tensor
 
 from kern.backend.cpu_attention import _tree_sum
 from kern.batch import Step
+from kern.kernels.compressor_pool.reference import empty
 
 __all__ = [
     "CompressedPlan",
@@ -55,7 +61,8 @@ class RatePlan:
     first: Tensor  # [B'] window id of each resumed sequence's first window
     first_from: Tensor  # [B'] the page holding that sequence's previous token
     prev_of: Tensor  # [G] the same sequence's previous window id, or -1
-    by_offset: list[Tensor]  # rows at each offset present, in offset order
+    starts: Tensor  # [G] each window's first row (a window's rows are one run)
+    lens: Tensor  # [G] and its number of rows in the step
     closing: Tensor  # rows that close their window
     entry_page: Tensor  # [len(closing)] page and slot of the entry they close
     entry_slot: Tensor
@@ -80,6 +87,19 @@ class CompressedPlan:
     keep: Tensor | None = None  # rows whose accumulators are kept for a rewind
     # (a layer's accumulator view, the kept rows' accumulators after them), by pool()
     kept: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    # RoPE tables by (rope set, rate): the same for every layer of a step, made once
+    tables: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    def rope_at(self, which: int, rope: tuple[Tensor, float], rate: int = 0):
+        """cos and sin of rope set ``which`` at the rows' positions (``rate`` 0) or at the
+        first positions of the windows of ``rate`` the rows close."""
+        key = (which, rate)
+        if key not in self.tables:
+            at = self.positions
+            if rate:
+                at = at[self.rates[rate].closing] - (rate - 1)
+            self.tables[key] = rope_tables(at, *rope)
+        return self.tables[key]
 
 
 def plan(
@@ -137,7 +157,8 @@ def _rate_plan(m, pt, pos, seq, tables, starts, first_row, dev) -> RatePlan:
     resumed = torch.nonzero(starts > 0).flatten()
     first = gid[first_row[resumed]]
     first_from = tables[resumed, (starts[resumed] - 1) // pt]
-    by_offset = [torch.nonzero(j == k).flatten().to(dev) for k in range(m) if bool((j == k).any())]
+    starts = torch.nonzero(opens).flatten()
+    lens = torch.diff(starts, append=torch.tensor([len(pos)]))
     closing = torch.nonzero(j == m - 1).flatten()
     cpos = pos[closing]
     entry_page = tables[seq[closing], cpos // pt]
@@ -155,7 +176,8 @@ def _rate_plan(m, pt, pos, seq, tables, starts, first_row, dev) -> RatePlan:
         first.to(dev),
         first_from.to(dev),
         prev_of.to(dev),
-        by_offset,
+        starts.to(dev),
+        lens.to(dev),
         closing.to(dev),
         entry_page.to(dev),
         entry_slot.to(dev),
@@ -187,63 +209,43 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([head, turned.flatten(-2).to(x.dtype)], dim=-1)
 
 
-def _empty(n: int, dim: int, device) -> Tensor:
-    acc = torch.zeros(n, 3, dim, device=device)
-    acc[:, 0] = float("-inf")
-    return acc
-
-
-def _update(acc: Tensor, kv: Tensor, g: Tensor) -> Tensor:
-    """One token into a softmax pooling: (max, sum of weights, weighted sum) [n, 3, dim]."""
-    top = torch.maximum(acc[:, 0], g)
-    old = torch.exp(acc[:, 0] - top)
-    new = torch.exp(g - top)
-    return torch.stack([top, acc[:, 1] * old + new, acc[:, 2] * old + kv * new], dim=1)
-
-
-def pool(p: CompressedPlan, m: int, kv: Tensor, gate: Tensor, state: Tensor, pair: bool) -> Tensor:
-    """Feed the step's rows into their windows' poolings and return the pooled values
-    [len(closing), dim] of the windows they close (before the norm and RoPE). ``kv`` and
-    ``gate`` (position bias added) are [R, 2 * dim] (``pair``: CSA's Ca | Cb) or [R, dim].
-    Reads the accumulators of each resumed sequence from ``state`` [P, A, 3, dim] and writes
-    them after every page end and chunk end."""
+def pool(
+    ops, p: CompressedPlan, m: int, kv: Tensor, gate: Tensor, state: Tensor, pair: bool
+) -> Tensor:
+    """Feed the step's rows into their windows' poolings (``ops.compressor_pool``) and return
+    the pooled values [len(closing), dim] of the windows they close (before the norm and
+    RoPE). ``kv`` and ``gate`` (position bias added) are [R, 2 * dim] (``pair``: CSA's
+    Ca | Cb) or [R, dim]. Reads the accumulators of each resumed sequence from ``state``
+    [P, A, 3, dim] and writes them after every page end and chunk end."""
     rp = p.rates[m]
     kv, gate = kv.float(), gate.float()
     dim = kv.shape[1] // 2 if pair else kv.shape[1]
     dev = kv.device
-    rows = kv.shape[0]
-    cur = _empty(rp.num_windows, dim, dev)  # the entry each window closes
+    init = empty(rp.num_windows, dim, dev)  # the entry each window closes
     if len(rp.first):
-        cur[rp.first] = state[rp.first_from, 0]
-    hist = torch.empty(rows, 3, dim, device=dev)
+        init[rp.first] = state[rp.first_from, 0]
     nxt_hist = None
     if pair:
         # Ca (first half) of a window opens the next window's entry: pooled first, so the
         # entry of window w takes its Ca tokens before its own Cb tokens.
-        nxt = _empty(rp.num_windows, dim, dev)
+        nxt = empty(rp.num_windows, dim, dev)
         if len(rp.first):
             nxt[rp.first] = state[rp.first_from, 1]
-        nxt_hist = torch.empty(rows, 3, dim, device=dev)
-        for r in rp.by_offset:
-            g = rp.gid[r]
-            nxt[g] = _update(nxt[g], kv[r, :dim], gate[r, :dim])
-            nxt_hist[r] = nxt[g]
+        nxt_hist = ops.compressor_pool(kv[:, :dim], gate[:, :dim], rp.starts, rp.lens, nxt)
         later = torch.nonzero(rp.prev_of >= 0).flatten()
-        cur[later] = nxt[rp.prev_of[later]]
+        prev = rp.prev_of[later]
+        init[later] = nxt_hist[rp.starts[prev] + rp.lens[prev] - 1]
         kv, gate = kv[:, dim:], gate[:, dim:]
-    for r in rp.by_offset:
-        g = rp.gid[r]
-        cur[g] = _update(cur[g], kv[r], gate[r])
-        hist[r] = cur[g]
+    hist = ops.compressor_pool(kv, gate, rp.starts, rp.lens, init)
     closed = hist[rp.closing]
     pooled = closed[:, 2] / closed[:, 1]
     # After a window closes: CSA's entry of the next window is its Ca so far, HCA is empty.
     if nxt_hist is not None:
         hist[rp.closing] = nxt_hist[rp.closing]
-        nxt_hist[rp.closing] = _empty(len(rp.closing), dim, dev)
+        nxt_hist[rp.closing] = empty(len(rp.closing), dim, dev)
         after = torch.stack([hist, nxt_hist], dim=1)
     else:
-        hist[rp.closing] = _empty(len(rp.closing), dim, dev)
+        hist[rp.closing] = empty(len(rp.closing), dim, dev)
         after = hist[:, None]
     w = p.state_rows
     state[p.row_page[w]] = after[w]
@@ -266,34 +268,21 @@ def write_entries(p: CompressedPlan, m: int, entries: Tensor, view: Tensor) -> N
 
 
 def index_topk(
-    p: CompressedPlan, m: int, q: Tensor, weights: Tensor, keys: Tensor, k: int, scale: float
+    ops, p: CompressedPlan, m: int, q: Tensor, weights: Tensor, keys: Tensor, k: int, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The lightning indexer: for each row, the ``k`` visible entries with the highest
-    ``sum_h weights[h] * relu(q_h . key) * scale`` (ties: the lower entry), as (pages,
-    slots, valid) [R, k]."""
+    """The lightning indexer (``ops.index_topk``): for each row, the ``k`` visible entries
+    with the highest ``sum_h weights[h] * relu(q_h . key) * scale`` (ties: the lower entry),
+    as (pages, slots, valid) [R, k]."""
     rp = p.rates[m]
     rows = q.shape[0]
-    n = rp.visible.shape[1]
-    if n == 0:
+    if rp.visible.shape[1] == 0:
         z = torch.zeros(rows, k, dtype=torch.long, device=q.device)
         return z, z, torch.zeros(rows, k, dtype=torch.bool, device=q.device)
-    score = torch.empty(rows, n, device=q.device)
-    for a, b in _tiles(rows, q.shape[1] * n * q.shape[2]):
-        cand = keys[rp.visible_pages[a:b], rp.visible_slots[a:b]].float()  # [r, N, Di]
-        s = (q[a:b].float()[:, :, None, :] * cand[:, None, :, :]).sum(-1)  # [r, Hi, N]
-        s = torch.relu(s) * scale * weights[a:b].float()[:, :, None]
-        score[a:b] = s.transpose(1, 2).contiguous().sum(-1)  # the heads in order
-    score = score.masked_fill(~rp.visible, float("-inf"))
-    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :k]
-    chosen = score.gather(1, order) > float("-inf")
-    pages = rp.visible_pages.gather(1, order)
-    slots = rp.visible_slots.gather(1, order)
-    if order.shape[1] < k:
-        pad = k - order.shape[1]
-        pages = torch.cat([pages, pages.new_zeros(rows, pad)], 1)
-        slots = torch.cat([slots, slots.new_zeros(rows, pad)], 1)
-        chosen = torch.cat([chosen, chosen.new_zeros(rows, pad)], 1)
-    return pages, slots, chosen
+    table = _table(keys)
+    chosen, ok = ops.index_topk(
+        q, weights, table, _rows_of(keys, rp.visible_pages, rp.visible_slots), rp.visible, k, scale
+    )
+    return rp.visible_pages.gather(1, chosen), rp.visible_slots.gather(1, chosen), ok
 
 
 def attend(
@@ -341,18 +330,26 @@ def key_rows(
     overlap: any part of any page is a row, with no alignment asked of the layout), each
     query row's key rows (its window, then ``entries[pages, slots]``) and their validity."""
 
-    def rows_of(view: Tensor, a: Tensor, b: Tensor) -> Tensor:
-        return view.storage_offset() + a * view.stride(0) + b * view.stride(1)
-
-    rows = rows_of(window, p.window_pages, p.window_offsets)
+    rows = _rows_of(window, p.window_pages, p.window_offsets)
     valid = p.window_valid
     if pages is not None and pages.shape[1]:
         assert entries is not None and slots is not None and extra_valid is not None
-        rows = torch.cat([rows, rows_of(entries, pages, slots)], dim=1)
+        rows = torch.cat([rows, _rows_of(entries, pages, slots)], dim=1)
         valid = torch.cat([valid, extra_valid], dim=1)
-    dim = window.shape[-1]
-    n = window.untyped_storage().nbytes() // window.element_size() - dim + 1
-    return window.as_strided((n, dim), (1, 1), 0), rows, valid
+    return _table(window), rows, valid
+
+
+def _table(view: Tensor) -> Tensor:
+    """A [P, S, D] page view's whole arena as overlapping rows: row ``i`` is the D values
+    from element ``i`` on."""
+    dim = view.shape[-1]
+    n = view.untyped_storage().nbytes() // view.element_size() - dim + 1
+    return view.as_strided((n, dim), (1, 1), 0)
+
+
+def _rows_of(view: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """The table rows of ``view[a, b]``."""
+    return view.storage_offset() + a * view.stride(0) + b * view.stride(1)
 
 
 # Elements of a tile's largest product ([rows, heads, keys, dim]): 16M floats, 64 MB.

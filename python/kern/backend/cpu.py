@@ -43,6 +43,8 @@ from torch import Tensor
 from kern.backend import cpu_attention as _cpu_attn
 from kern.backend import cpu_recurrence as _cpu_rec
 from kern.batch import Step
+from kern.kernels.compressor_pool import reference as _pool_ref
+from kern.kernels.index_topk import reference as _topk_ref
 from kern.kernels.pointwise import sigmoid, silu, softplus
 from kern.kernels.rotary import reference as _rotary_ref
 
@@ -277,6 +279,11 @@ class CpuOps:
 
     def gated_delta_rule(self, step: Step, q, k, v, g, beta, states, scale, snapshots=None):
         return _cpu_rec.gated_delta_rule(step.recurrent, q, k, v, g, beta, states, scale, snapshots)
+
+    # DeepSeek-V4's compressors and indexer: the kernels' torch references are batch
+    # invariant as they stand (per-window and per-row ops in a fixed order).
+    compressor_pool = staticmethod(_pool_ref.compressor_pool)
+    index_topk = staticmethod(_topk_ref.index_topk)
 
 
 def _onednn(x: Tensor, packed: Tensor) -> Tensor:

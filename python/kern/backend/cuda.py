@@ -45,6 +45,8 @@ class CudaOps:
         self._gdr = self._kernel("gated_delta_rule")
         self._matmul = self._kernel("matmul")
         self._mla = self._kernel("mla_attention")
+        self._pool = self._kernel("compressor_pool")
+        self._topk = self._kernel("index_topk")
 
     def _kernel(self, op: str):
         """The Triton wrapper of ``kern.kernels.<op>``; ReferenceOps takes the torch reference
@@ -191,6 +193,16 @@ class CudaOps:
         """DeepSeek-V4's attention with sinks over rows of ``keys`` (a table over the arena,
         ``kern.backend.compressed_attention.key_rows``)."""
         return self._sparse.sparse_attention(q.contiguous(), keys, key_rows, valid, sinks, scale)
+
+    def compressor_pool(
+        self, values: Tensor, gate: Tensor, starts: Tensor, lens: Tensor, init: Tensor
+    ) -> Tensor:
+        """DeepSeek-V4's compressor pooling: the accumulator after every row of each window."""
+        return self._pool.compressor_pool(values, gate, starts, lens, init)
+
+    def index_topk(self, q, weights, keys, key_rows, valid, k: int, scale: float):
+        """DeepSeek-V4's indexer: each row's k best entries (ties: the lower slot)."""
+        return self._topk.index_topk(q.contiguous(), weights, keys, key_rows, valid, k, scale)
 
     def prepare_head_linear(self, w: Tensor) -> Tensor:
         """Per-head weights [H, out, in], stored [H, in, out] for one batched matmul."""

@@ -152,11 +152,9 @@ class Compressor:
         """Pool the step's rows; the normalised, rotated entries they close."""
         kv, gate = both[:, : self.width], both[:, self.width :]
         gate = gate.float() + self.ape[(p.positions % self.rate)]
-        pooled = ca.pool(p, self.rate, kv, gate, state, pair=self.pair)
+        pooled = ca.pool(ops, p, self.rate, kv, gate, state, pair=self.pair)
         entries = ops.rms_norm(pooled, self.norm, self.eps)
-        rp = p.rates[self.rate]
-        first = p.positions[rp.closing] - (self.rate - 1)
-        cos, sin = ca.rope_tables(first, *rope)
+        cos, sin = p.rope_at(1, rope, self.rate)  # compressed layers use the second set
         return ca.rope(entries, cos, sin)
 
 
@@ -201,12 +199,13 @@ class Attention:
         ops, p = self.ops, step.attention
         assert isinstance(p, ca.CompressedPlan)
         views = caches.kv[self.index]  # kern.engine.compressed_layout.LayerViews
-        rope = step.rope[0 if self.kind == SLIDING else 1]
+        which = 0 if self.kind == SLIDING else 1
+        rope = step.rope[which]
         n, h, d = x.shape[0], self.h, self.d
         parts = ops.linear(x, self.w_first).split(self.split, dim=1)
         q_res = ops.rms_norm(parts[0], self.q_norm, self.eps)
         q = ops.linear(q_res, self.w_qb).view(n, h, d)
-        cos, sin = ca.rope_tables(p.positions, *rope)
+        cos, sin = p.rope_at(which, rope)
         q = ca.rope(ops.rms_norm(q, self.ones, self.eps), cos, sin)
         kv = ca.rope(ops.rms_norm(parts[1], self.kv_norm, self.eps), cos, sin)
         views.window[p.row_page, p.row_offset] = kv.to(views.window.dtype)
@@ -227,7 +226,7 @@ class Attention:
                 iq = ca.rope(iq, cos, sin)
                 weights = parts[4].float() * self.hi**-0.5
                 pages, slots, extra_valid = ca.index_topk(
-                    p, m, iq, weights, views.keys, self.topk, self.di**-0.5
+                    ops, p, m, iq, weights, views.keys, self.topk, self.di**-0.5
                 )
         if ops.is_cpu:
             extra = None if pages is None else views.entries[pages, slots]

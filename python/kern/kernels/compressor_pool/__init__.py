@@ -1,0 +1,2 @@
+"""compressor_pool: `reference` (torch) and `compressor_pool` (Triton) submodules; see
+README.md."""

@@ -1,0 +1,1 @@
+"""index_topk: `reference` (torch) and `index_topk` (Triton) submodules; see README.md."""
