@@ -95,6 +95,10 @@ def speed_rows(model: Path, prompt_len: int, steps: int, repeat: int) -> list[st
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         model, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    # No end-of-sequence: both sides run n tokens, and no logits processor masks the end
+    # token (min_new_tokens would, where kern's argmax, which never stops early, may pick it).
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, ckpt.config.vocab_size - 3, (prompt_len,), generator=gen).tolist()
 
@@ -103,9 +107,7 @@ def speed_rows(model: Path, prompt_len: int, steps: int, repeat: int) -> list[st
 
     def theirs(n: int) -> list[int]:
         with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False
-            )
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
         return out[0, prompt_len:].tolist()
 
     if ours(steps) != theirs(steps):
