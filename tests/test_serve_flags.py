@@ -100,6 +100,14 @@ def test_max_model_len_is_listed_and_enforced(served):
     r = served.http.post("/v1/chat/completions", json=chat)
     assert r.status_code == 200, r.text
     assert sum(r.json()["usage"][k] for k in ("prompt_tokens", "completion_tokens")) == 64
+    # A prompt that fills the context alone is the prompt's fault, not max_tokens'.
+    r = served.http.post("/v1/completions", json={**body, "prompt": list(range(3, 67))})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "prompt", r.text
+    assert "the prompt (64 tokens) leaves no room to generate in the model's context" in r.text
+    long_chat = {**chat, "messages": [{"role": "user", "content": "hi " * 80}]}
+    r = served.http.post("/v1/chat/completions", json=long_chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 # --- --chat-template --------------------------------------------------------------------------

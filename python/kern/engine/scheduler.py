@@ -131,21 +131,21 @@ class Scheduler:
             thread.join(timeout=10)
 
     def check(self, prompt_len: int, max_tokens: int) -> None:
-        """Raise :class:`LimitError` when a request of this size can never be served."""
+        """Raise :class:`LimitError` when a request of this size can never be served (param
+        "": the caller's prompt field, when the prompt alone leaves no room)."""
+        pool = self.max_pages * self.pt
+        limits = ((self.max_model_len, "the model's context of"), (pool, "the KV pool of"))
+        for room, what in limits:
+            if prompt_len >= room:
+                msg = f"leaves no room to generate in {what} {room} tokens"
+                raise LimitError(f"the prompt ({prompt_len} tokens) {msg}", "")
         total = prompt_len + max_tokens
-        if total > self.max_model_len:
-            raise LimitError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} is over "
-                f"the model's context of {self.max_model_len} tokens",
-                "max_tokens",
-            )
-        pool_tokens = self.max_pages * self.pt
-        if total > pool_tokens:
-            raise LimitError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} is over "
-                f"the KV pool of {pool_tokens} tokens ({self.max_pages} pages)",
-                "max_tokens",
-            )
+        for room, what in limits:
+            if total > room:
+                msg = f"= {total} is over {what} {room} tokens"
+                raise LimitError(
+                    f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) {msg}", "max_tokens"
+                )
 
     def max_tokens_for(self, prompt_len: int) -> int:
         """The most tokens a prompt of this length may ask for (the default when unset)."""

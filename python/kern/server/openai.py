@@ -347,7 +347,10 @@ class OpenAI:
         sched = self.scheduler
         n = body.n or 1
         for i, prompt_ids in enumerate(prompts):
-            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if run is not CompletionRun:  # chat: the prompt is the messages
+                param = "messages"
+            else:
+                param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if not prompt_ids:
                 raise ApiError(400, "the prompt encodes to no tokens", param=param)
             limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
