@@ -406,3 +406,15 @@ def test_rows_are_named_before_the_target_check(tmp_path, capsys):
     out = kern("serve", *where)
     assert out.returncode == 2 and "--rows 2: target 'h' declares rows [1]" in out.stderr
     assert "bfloat16" not in out.stderr
+
+
+def test_chat_on_a_folder_without_a_chat_template_exits_2(tmp_path, capsys):
+    from kern.tiny import make_tiny
+
+    model = make_tiny("qwen3", tmp_path / "m")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    err = fail(capsys, "run", "--model", str(model), "--prompt", "Hi", "--steps", "1", "--chat")
+    assert err.startswith("kern run: error: --chat: ") and "chat template" in err
+    assert "Traceback" not in err

@@ -196,7 +196,12 @@ def _prompt_ids(args: argparse.Namespace, ckpt: Checkpoint) -> list[int]:
         text = args.prompt
         if args.chat:
             # As the server encodes chat: control-token text in the message stays plain.
-            chat = tok.apply_chat_template([{"role": "user", "content": text}])
+            from kern.tokenizer import ChatTemplateError
+
+            try:
+                chat = tok.apply_chat_template([{"role": "user", "content": text}])
+            except ChatTemplateError as e:
+                raise UsageError(f"--chat: {e}") from None
             prompt_ids = tok.encode_chat(chat, [text])
         else:
             prompt_ids = tok.encode(text)
