@@ -143,16 +143,23 @@ def test_a_page_holds_the_formulas_bytes():
 def test_what_is_not_supported_is_refused_by_name(folder, tmp_path):
     from kern.engine.targets import check_target
     from kern.kern_toml import Target
+    from kern.tiny import make_tiny
 
     tp = Target(name="t", checkpoint=folder, pool_bytes=2**20, ranks=2, parallel="tp")
     with pytest.raises(UsageError, match="'tp' is implemented for .*, not deepseek_v4"):
         check_target(tp, serving=True)
-    draft = Target(name="t", checkpoint=folder, pool_bytes=2**20, rows=(1, 4), draft=str(folder))
+    qwen3 = make_tiny("qwen3", tmp_path / "qwen3")  # the same tokenizer as the tiny V4
+    for d in (folder, qwen3):
+        draft = Target(name="t", checkpoint=folder, pool_bytes=2**20, rows=(1, 4), draft=str(d))
+        with pytest.raises(UsageError, match="a draft checkpoint for a deepseek_v4 target is not"):
+            check_target(draft, serving=True)
+    draft = Target(name="t", checkpoint=qwen3, pool_bytes=2**20, rows=(1, 4), draft=str(folder))
     with pytest.raises(UsageError, match="a deepseek_v4 draft checkpoint is not supported"):
         check_target(draft, serving=True)
     odd = Target(name="t", checkpoint=folder, pool_bytes=2**20, page_tokens=6)
-    with pytest.raises(UsageError, match="page_tokens 6 does not fit .* rate 4"):
+    with pytest.raises(UsageError, match="page_tokens 6 does not fit .* rate 4") as e:
         check_target(odd, serving=True)
+    assert "compress_rates [4, 8] fit page_tokens 16 (kern serve --page-tokens 16" in str(e.value)
 
 
 def test_expert_parallel_ranks_hold_disjoint_experts_and_one_head(folder):

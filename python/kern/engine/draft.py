@@ -84,6 +84,13 @@ def check_draft_target(target: Target, config: ModelConfig) -> None:
             "draft would need splitting too); use draft = 'ngram' or ranks = 1"
         )
     assert target.draft_checkpoint is not None
+    if config.model_type == "deepseek_v4":
+        # Its pages are compressed-entry pages (kern.engine.compressed_layout) that no other
+        # family's KV rows are laid out in; its speculative rows draft by n-gram lookup.
+        raise UsageError(
+            f"{where}: a draft checkpoint for a deepseek_v4 target is not supported "
+            "(draft with draft = 'ngram', the default at rows above 1)"
+        )
     draft = check_draft(target.checkpoint, target.draft_checkpoint, where)
     dtype = getattr(torch, target.dtype)
     page_bytes = Layout.of(config, dtype, target.page_tokens).page_bytes
@@ -125,8 +132,7 @@ def draft_layout(
     if config.model_type == "deepseek_v4":
         # Its pooling state would need the verify's rewind (Runner.keep_positions) per draft.
         raise UsageError(
-            f"{where}: a deepseek_v4 draft checkpoint is not supported (draft with "
-            "draft = 'ngram', or a draft of another family)"
+            f"{where}: a deepseek_v4 draft checkpoint is not supported (draft with draft = 'ngram')"
         )
     itemsize = torch.empty((), dtype=dtype).element_size()
     m, best = 1, None
