@@ -121,6 +121,15 @@ class CompressedPage:
             layers.append(LayerParts(kind, rate, slots, window, entries, keys, state, index_state))
         return cls(pt, dtype, d, di, tuple(layers), max(offset, _ALIGN))
 
+    @classmethod
+    def fitting_page_tokens(cls, c, at_least: int = 16) -> int:
+        """The smallest page size of at least ``at_least`` tokens that fits ``c``'s rates."""
+        csa, hca = c.compress_rates
+        pt = -(-at_least // csa) * csa
+        while not (pt % hca == 0 or hca % pt == 0):
+            pt += csa
+        return pt
+
     @staticmethod
     def positions(page_rows: Tensor) -> Tensor:
         """[num_pages] int32: the position after which each page's accumulators were written

@@ -216,7 +216,12 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
         try:  # pages must hold whole compression windows (or whole pages a window)
             CompressedPage.of(config, torch.float32, target.page_tokens)
         except ValueError as e:
-            raise UsageError(f"{target.where('page_tokens')}: {e}") from None
+            fits = CompressedPage.fitting_page_tokens(config)
+            raise UsageError(
+                f"{target.where('page_tokens')}: {e}; this checkpoint's compress_rates "
+                f"{list(config.compress_rates)} fit page_tokens {fits} (kern serve "
+                f"--page-tokens {fits}, or page_tokens = {fits} in a kern.toml target)"
+            ) from None
     if target.draft is not None and target.widest_rows < 2:
         raise UsageError(
             f"{target.where('draft')}: draft = {target.draft!r} drafts nothing at rows "

@@ -103,7 +103,9 @@ class Shard:
             )
         if c.model_type in _EXPERTS_ONLY:
             if c.num_experts % n:
-                raise ShardError(f"ranks = {n} does not divide the model's n_routed_experts")
+                raise ShardError(
+                    f"ranks = {n} does not divide the model's n_routed_experts ({c.num_experts})"
+                )
             return
         sizes = {
             "num_attention_heads": c.num_attention_heads,
