@@ -267,6 +267,18 @@ def test_min_tokens_holds_back_the_end(server):
     assert held.json()["usage"]["completion_tokens"] >= 6
 
 
+def test_an_empty_stop_string_and_min_tokens_over_max_tokens_are_refused(server):
+    for stop in ("", ["x", ""]):
+        r = complete(server, prompt="hi", max_tokens=4, stop=stop)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+        assert "empty string" in r.json()["error"]["message"]
+    r = complete(server, prompt="hi", max_tokens=4, min_tokens=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    r = chat(server, max_completion_tokens=4, min_tokens=10)
+    assert r.status_code == 400 and "min_tokens (10) is over max_tokens (4)" in r.text
+    assert complete(server, prompt="hi", max_tokens=4, min_tokens=4).status_code == 200
+
+
 def test_stop_reason_and_include_stop_str(server):
     base = {"prompt": "one two", "max_tokens": 16, "temperature": 0, "return_token_ids": True}
     full = complete(server, **base).json()["choices"][0]

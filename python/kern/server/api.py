@@ -209,6 +209,16 @@ class _Sampling(Struct, kw_only=True):
         _refuse_unsupported(self)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true - at `$.stream_options`")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if "" in stops:  # as vLLM: an empty stop string would match before every token
+            raise ValueError("stop cannot contain an empty string - at `$.stop`")
+        cap = self.max_tokens
+        if cap is None:
+            cap = getattr(self, "max_completion_tokens", None)  # chat's other spelling
+        if self.min_tokens and cap is not None and self.min_tokens > cap:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) is over max_tokens ({cap}) - at `$.min_tokens`"
+            )
         for key in self.logit_bias or {}:
             # ASCII digits only: str.isdigit() is true of "²" (int() refuses it) and "٧".
             if not (key.isascii() and key.isdigit()) or int(key) > 0xFFFFFFFF:
@@ -219,8 +229,7 @@ class _Sampling(Struct, kw_only=True):
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        return [s for s in stops if s]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class CompletionRequest(_Sampling, kw_only=True):
