@@ -347,19 +347,16 @@ class OpenAI:
         sched = self.scheduler
         n = body.n or 1
         for i, prompt_ids in enumerate(prompts):
-            if run is not CompletionRun:  # chat: the prompt is the messages
-                param = "messages"
-            else:
-                param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            param = param if run is CompletionRun else "messages"  # chat's prompt
             if not prompt_ids:
                 raise ApiError(400, "the prompt encodes to no tokens", param=param)
             limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
             try:
                 sched.check(len(prompt_ids), limit)
             except LimitError as e:
-                raise ApiError(
-                    400, str(e), param=e.param or param, code="context_length_exceeded"
-                ) from None
+                code = "context_length_exceeded"
+                raise ApiError(400, str(e), param=e.param or param, code=code) from None
         stop_ids = frozenset(body.stop_token_ids or ())
         self.prompts.check_ids(sorted(stop_ids), "stop_token_ids")
         # The ids whose token ends a choice: their text is left out unless asked for.
