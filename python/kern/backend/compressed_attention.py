@@ -55,9 +55,7 @@ __all__ = [
 class RatePlan:
     """Rows against the windows of one compression rate ``m``."""
 
-    j: Tensor  # [R] offset of each row in its window
-    gid: Tensor  # [R] the row's window, numbered across the batch
-    num_windows: int
+    num_windows: int  # windows the step's rows fall in, numbered across the batch
     first: Tensor  # [B'] window id of each resumed sequence's first window
     first_from: Tensor  # [B'] the page holding that sequence's previous token
     prev_of: Tensor  # [G] the same sequence's previous window id, or -1
@@ -170,8 +168,6 @@ def _rate_plan(m, pt, pos, seq, tables, starts, first_row, dev) -> RatePlan:
     visible = w[None, :] < count[:, None]
     last_token = torch.where(visible, last_token, 0)
     return RatePlan(
-        j.to(dev),
-        gid.to(dev),
         num_windows,
         first.to(dev),
         first_from.to(dev),

@@ -209,8 +209,8 @@ class _Sampling(Struct, kw_only=True):
         _refuse_unsupported(self)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true - at `$.stream_options`")
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        if "" in stops:  # as vLLM: an empty stop string would match before every token
+        # As vLLM: an empty stop string would match before every token.
+        if "" in self.stop_strings():
             raise ValueError("stop cannot contain an empty string - at `$.stop`")
         cap = self.max_tokens
         if cap is None:
