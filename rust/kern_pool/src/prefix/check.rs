@@ -4,7 +4,9 @@
 use std::cmp::Reverse;
 use std::collections::HashSet;
 
-use super::{page_key, Lru, Prefix, Tier, NONE, ROOT};
+use super::index::page_key;
+use super::lru::Lru;
+use super::{Prefix, Tier, NONE, ROOT};
 use crate::bits::Bits;
 use crate::error::{KernError, Result};
 use crate::host::Host;

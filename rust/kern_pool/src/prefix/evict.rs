@@ -8,9 +8,9 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
-use super::{
-    books_agree, prefetch_node, prefetch_span, LruKey, Prefix, Tier, PREFETCH_BYTES, ROOT,
-};
+use super::lru::LruKey;
+use super::prefetch::{prefetch_node, prefetch_span, PREFETCH_BYTES};
+use super::{books_agree, Prefix, Tier, ROOT};
 use crate::error::{KernError, Result};
 use crate::host::Host;
 use crate::ids::{HostPageId, HostSlotId, NodeId, PageId, SlotId};

@@ -8,7 +8,9 @@
 //! scratch bitset; pages the tree already holds at their place are compared with the tree's,
 //! not marked.
 
-use super::{books_agree, Node, Prefix, Tier, Walk, ROOT};
+use super::node::Node;
+use super::walk::Walk;
+use super::{books_agree, Prefix, Tier, ROOT};
 use crate::bits::Bits;
 use crate::error::{KernError, Result};
 use crate::host::Host;

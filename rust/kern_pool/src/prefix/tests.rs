@@ -796,7 +796,7 @@ fn take_pages_makes_room_then_allocates() {
 
 #[test]
 fn kids_move_from_the_node_to_a_list_and_keep_their_places() {
-    use super::Kids;
+    use super::node::Kids;
     let mut k = Kids::new();
     for c in 10..16 {
         k.push(c);
