@@ -154,3 +154,30 @@ impl Node {
         self.start + self.tokens.len() as u32
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kids_move_from_the_node_to_a_list_and_keep_their_places() {
+        use super::Kids;
+        let mut k = Kids::new();
+        for c in 10..16 {
+            k.push(c);
+            assert_eq!(k.last(), Some(&c));
+        }
+        assert!(matches!(k, Kids::Many(_)));
+        assert_eq!(&*k, &[10, 11, 12, 13, 14, 15]);
+        k.swap_remove(1);
+        assert_eq!(&*k, &[10, 15, 12, 13, 14]);
+        let mut few = Kids::one(7);
+        few.push(8);
+        few.push(9);
+        few.swap_remove(0);
+        assert_eq!(&*few, &[9, 8]);
+        few[1] = 3;
+        few.swap_remove(1);
+        assert_eq!(&*few, &[9]);
+        few.swap_remove(0);
+        assert!(few.is_empty());
+    }
+}
