@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from support.server import Server
 
-from kern.checkpoint import Checkpoint, load_checkpoint
+from kern.checkpoint.load import Checkpoint, load_checkpoint
 from kern.tiny import make_tiny
 
 FAMILIES = ("qwen3", "qwen3_5", "qwen3_moe")

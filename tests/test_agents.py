@@ -18,7 +18,7 @@ import pytest
 from support.schemas import WEATHER as CITY
 from support.server import KEY, MODEL, Server, thinking_server
 
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.load import load_checkpoint
 from kern.engine.generate import generate
 from kern.tiny import default_model_path
 

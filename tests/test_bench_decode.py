@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 from kern.bench import decode
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.load import load_checkpoint
 from kern.tiny import default_model_path
 
 

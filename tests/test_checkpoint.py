@@ -10,17 +10,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kern.checkpoint import (
+from kern.checkpoint.errors import (
+    CheckpointError,
+    MissingFileError,
     MissingShardError,
     MissingTensorError,
     PickleCheckpointError,
     TensorError,
     TensorShapeError,
     UnexpectedTensorError,
-    expected_shapes,
-    load_checkpoint,
+    UnsupportedModelError,
 )
-from kern.model_config import CheckpointError, MissingFileError, UnsupportedModelError
+from kern.checkpoint.load import load_checkpoint
+from kern.checkpoint.names import expected_shapes
 from kern.tiny import make_tiny
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kern import cli
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.load import load_checkpoint
 from kern.cli import selfcheck
 from kern.probe import probe_ulps, read_probe
 from kern.tiny import default_model_path, make_tiny
@@ -384,7 +384,12 @@ def test_make_tiny_moe_flags(tmp_path, capsys):
     args += ["--decoder-sparse-step", "2", "--mlp-only-layers", "3"]
     assert cli.main(args) == 0
     c = load_checkpoint(tmp_path).config
-    assert (c.norm_topk_prob, c.decoder_sparse_step, c.mlp_only_layers) == (False, 2, (3,))
+    own = c.family_fields
+    assert (c.experts.norm_topk_prob, own.decoder_sparse_step, own.mlp_only_layers) == (
+        False,
+        2,
+        (3,),
+    )
 
 
 def test_make_tiny_refuses_a_non_empty_dir(tmp_path, capsys):

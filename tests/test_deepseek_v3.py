@@ -14,10 +14,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kern.checkpoint import MissingTensorError, TensorError, TensorShapeError, load_checkpoint
+from kern.checkpoint.config import load_config, parse_config
+from kern.checkpoint.errors import (
+    ConfigFieldError,
+    MissingTensorError,
+    TensorError,
+    TensorShapeError,
+    UnsupportedModelError,
+)
+from kern.checkpoint.load import load_checkpoint
 from kern.engine.generate import generate
 from kern.engine.layout import Layout
-from kern.model_config import ConfigFieldError, UnsupportedModelError, load_config, parse_config
 from kern.tiny import make_tiny
 
 STEPS = 16

@@ -12,11 +12,11 @@ import pytest
 import torch
 from support.scheduler import Harness, load, prompt
 
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.config import parse_config
+from kern.checkpoint.load import load_checkpoint
 from kern.engine.generate import generate
 from kern.engine.layout import Layout
 from kern.errors import UsageError
-from kern.model_config import parse_config
 
 PT = 4  # pages of 4 tokens: the tiny HCA rate is 8, so every other page end is mid-window
 

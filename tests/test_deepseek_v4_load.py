@@ -5,6 +5,7 @@ dequantised twins; and every refusal by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,16 +19,18 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from kern import cli
-from kern.checkpoint import (
+from kern.checkpoint.config import load_config, parse_config
+from kern.checkpoint.errors import (
+    ConfigFieldError,
     MissingTensorError,
     TensorError,
     TensorShapeError,
     UnexpectedTensorError,
-    load_checkpoint,
+    UnsupportedModelError,
 )
-from kern.deepseek_v4_tensors import canonical_v4_name, released_v4_name
-from kern.model_config import ConfigFieldError, UnsupportedModelError, load_config, parse_config
-from kern.tensor_names import expected_shapes
+from kern.checkpoint.load import load_checkpoint
+from kern.checkpoint.names import canonical_name, expected_shapes
+from kern.models.deepseek_v4.tensors import released_name as released_v4_name
 from kern.tiny import make_tiny
 
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -93,12 +96,14 @@ def test_a_folder_transformers_saved_parses_and_loads(folders, tmp_path):
     assert ckpt.tensors["model.layers.0.ffn.gate.tid2eid"].dtype == torch.int64
     assert ckpt.tensors["head.weight"].dtype == torch.bfloat16
     tc = model.config
-    assert config.layer_types == tuple(tc.layer_types)
-    assert config.mlp_layer_types == tuple(tc.mlp_layer_types)
-    assert config.qk_rope_head_dim == tc.qk_rope_head_dim == 16
-    assert config.compress_rates == (4, 8)
+    v4 = config.family_fields
+    assert v4.attention_types == tuple(tc.layer_types)
+    assert v4.moe_types == tuple(tc.mlp_layer_types)
+    assert config.mlp_layer_types == ("sparse",) * config.num_hidden_layers
+    assert v4.rope_head_dim == tc.qk_rope_head_dim == 16
+    assert v4.compress_rates == (4, 8)
     assert (config.num_key_value_heads, config.head_dim, config.num_mtp_layers) == (1, 64, 0)
-    assert config.intermediate_size == config.moe_intermediate_size == 32
+    assert config.intermediate_size == config.experts.moe_intermediate_size == 32
 
 
 LEGACY = {
@@ -130,24 +135,25 @@ def test_config_spellings_read_as_transformers_reads_them(folders, case):
     del raw["partial_rotary_factor"], raw["moe_intermediate_size"]
     raw.update(LEGACY[case])
     c, tc = parse_config(raw), transformers_config(raw)
-    assert c.layer_types == tuple(tc.layer_types)
-    assert c.mlp_layer_types == tuple(tc.mlp_layer_types)
+    v4 = c.family_fields
+    assert v4.attention_types == tuple(tc.layer_types)
+    assert v4.moe_types == tuple(tc.mlp_layer_types)
     # A rate counts only for a kind some layer has (kern holds 0 for the others).
     for i, kind in enumerate(("compressed_sparse_attention", "heavily_compressed_attention")):
-        if kind in c.layer_types:
-            assert c.compress_rates[i] == tc.compress_rates[kind]
-    assert c.qk_rope_head_dim == tc.qk_rope_head_dim
+        if kind in v4.attention_types:
+            assert v4.compress_rates[i] == tc.compress_rates[kind]
+    assert v4.rope_head_dim == tc.qk_rope_head_dim
     assert c.partial_rotary_factor == pytest.approx(tc.partial_rotary_factor)
-    assert c.moe_intermediate_size == tc.moe_intermediate_size
+    assert c.experts.moe_intermediate_size == tc.moe_intermediate_size
     main, compress = tc.rope_parameters["main"], tc.rope_parameters["compress"]
-    assert c.rope_theta == main["rope_theta"]
-    assert c.compress_rope_theta == compress["rope_theta"]
-    assert c.rope_type == compress["rope_type"]
-    if c.rope_type == "yarn":
-        assert c.rope_yarn[0] == compress["factor"]
-        assert c.rope_yarn[1] == compress["original_max_position_embeddings"]
+    assert c.rope_theta == main["rope_theta"] and c.rope_type == "default"
+    assert v4.compress_rope_theta == compress["rope_theta"]
+    assert v4.compress_rope_type == compress["rope_type"]
+    if v4.compress_rope_type == "yarn":
+        assert v4.compress_rope_yarn[0] == compress["factor"]
+        assert v4.compress_rope_yarn[1] == compress["original_max_position_embeddings"]
         # Flat: transformers forces attention_factor 1.0; nested: left to derive (0 here).
-        assert c.rope_yarn[6] == compress.get("attention_factor", 0.0)
+        assert v4.compress_rope_yarn[6] == compress.get("attention_factor", 0.0)
 
 
 def test_release_names_and_quantisation_load_to_dequantised_twins(folders, tmp_path):
@@ -164,6 +170,7 @@ def test_release_names_and_quantisation_load_to_dequantised_twins(folders, tmp_p
     assert stored["layers.1.attn.compressor.wkv.weight"][1] == "F32"  # float, as released
     tensors = load_file(folders["release"] / "model.safetensors")
     deq = fp8.Fp8Dequantize(None)
+    config = load_config(folders["release"])
     twin = {}
     for name, t in tensors.items():
         if name.endswith(".scale"):
@@ -171,8 +178,8 @@ def test_release_names_and_quantisation_load_to_dequantised_twins(folders, tmp_p
         scale = tensors.get(name.removesuffix(".weight") + ".scale")
         if scale is not None:
             t = deq._dequantize_one(t, scale, output_dtype=torch.float32)
-        twin[canonical_v4_name(name)] = t
-    assert twin.keys() == expected_shapes(load_config(folders["release"])).keys()
+        twin[canonical_name(config, name)] = t
+    assert twin.keys() == expected_shapes(config).keys()
     dst = tmp_path / "twin"
     shutil.copytree(folders["plain"], dst)
     save_file({k: v.contiguous() for k, v in twin.items()}, str(dst / "model.safetensors"))
@@ -319,16 +326,18 @@ def test_make_tiny_cli_and_determinism(folders, tmp_path, capsys):
         size = sum(p.stat().st_size for p in folders[kind].iterdir())
         assert size < 4_000_000, (kind, size)
     c = load_config(folders["plain"])
-    assert set(c.layer_types) == {
+    v4 = c.family_fields
+    assert set(v4.attention_types) == {
         "sliding_attention",
         "compressed_sparse_attention",
         "heavily_compressed_attention",
     }
-    assert c.mlp_layer_types[0] == "hash_moe" and c.mlp_layer_types[-1] == "moe"
-    assert list(c.mlp_layer_types) == sorted(c.mlp_layer_types)  # hash_moe before moe
-    assert c.index_n_heads >= 8
-    assert load_config(folders["release"]) == c.__class__(
-        **{**c.__dict__, "fp8_block": (16, 16), "fp4_experts": True}
+    assert v4.moe_types[0] == "hash_moe" and v4.moe_types[-1] == "moe"
+    assert list(v4.moe_types) == sorted(v4.moe_types)  # hash_moe before moe
+    assert v4.index_n_heads >= 8
+    released = dataclasses.replace(v4, fp4_experts=True)
+    assert load_config(folders["release"]) == dataclasses.replace(
+        c, fp8_block=(16, 16), family_fields=released
     )
     capsys.readouterr()
     assert cli.main(["make-tiny", "deepseek_v4", str(tmp_path / "b"), "--mtp-layers", "1"]) == 2
@@ -342,8 +351,10 @@ def test_tied_embeddings_and_yarn(tmp_path):
     assert "head.weight" not in tied.tensors and tied.config.tie_word_embeddings
     nested = load_config(make_tiny("deepseek_v4", tmp_path / "n", yarn_factor=2))
     flat = load_config(make_tiny("deepseek_v4", tmp_path / "f", yarn_factor=2, fp8=True))
-    assert nested.rope_type == flat.rope_type == "yarn"
-    assert nested.rope_yarn == flat.rope_yarn and nested.rope_yarn[6] == 1.0
+    nested, flat = nested.family_fields, flat.family_fields
+    assert nested.compress_rope_type == flat.compress_rope_type == "yarn"
+    assert nested.compress_rope_yarn == flat.compress_rope_yarn
+    assert nested.compress_rope_yarn[6] == 1.0
 
 
 def test_same_bytes_across_processes(folders, tmp_path):

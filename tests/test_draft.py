@@ -1,11 +1,11 @@
-"""Draft checkpoints (kern.engine.draft, the scheduler's model drafts): for every target family, the
-answer at rows 5 with a draft model (stateless qwen3, or stateful qwen3_5, whose state is
-rolled back after a rejection) is the rows-1 answer bit for bit, alone and in a batch, and
-``kern run``'s at rows 5 with the same draft; seeded sampling too. The draft's pages and
-slots come from the target's pool (counted while a request runs, all back after it ends, is
-aborted or loses them to a tight pool), and what kern cannot run is refused by name at load:
-another tokenizer (naming both files), another vocabulary size, a draft whose KV per token
-does not fit the target's page, several ranks."""
+"""Draft checkpoints (kern.engine.drafters.model, the scheduler's model drafts): for every target
+family, the answer at rows 5 with a draft model (stateless qwen3, or stateful qwen3_5, whose state
+is rolled back after a rejection) is the rows-1 answer bit for bit, alone and in a batch, and ``kern
+run``'s at rows 5 with the same draft; seeded sampling too. The draft's pages and slots come from
+the target's pool (counted while a request runs, all back after it ends, is aborted or loses them to
+a tight pool), and what kern cannot run is refused by name at load: another tokenizer (naming both
+files), another vocabulary size, a draft whose KV per token does not fit the target's page, several
+ranks."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from support.scheduler import draft_of, fresh, prompt, spec_counts
 
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.load import load_checkpoint
 from kern.engine.generate import generate
 from kern.engine.load import Engine
 from kern.engine.params import SamplingParams
@@ -84,11 +84,12 @@ def test_rows_5_with_a_draft_is_rows_1_alone_and_in_a_batch(
     engines, draft_dirs, family, draft_family
 ):
     engine = engines(family, draft_family)
-    assert engine.draft is not None
-    assert engine.draft.stateful == (draft_family == "qwen3_5")
+    draft = engine.drafting.runner
+    assert draft is not None
+    assert draft.stateful == (draft_family == "qwen3_5")
     # One pool page holds one draft page of page_tokens * 2^m tokens.
-    assert engine.draft.page_tokens >= PT
-    assert engine.draft.layout.page_bytes <= engine.layout.page_bytes
+    assert draft.page_tokens >= PT
+    assert draft.layout.page_bytes <= engine.layout.page_bytes
     ckpt, draft = engine.checkpoint, load_checkpoint(draft_dirs[draft_family])
     h = fresh(engine, rows=5)
     p = prompt(1, 11)

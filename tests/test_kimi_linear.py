@@ -16,15 +16,11 @@ import torch
 from safetensors import safe_open
 from support.scheduler import Harness, load, prompt
 
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.config import load_config, parse_config
+from kern.checkpoint.errors import ConfigFieldError, UnsupportedModelError
+from kern.checkpoint.load import load_checkpoint
 from kern.engine.generate import generate
 from kern.engine.layout import Layout
-from kern.model_config import (
-    ConfigFieldError,
-    UnsupportedModelError,
-    load_config,
-    parse_config,
-)
 from kern.tiny import make_tiny
 
 PT = 4

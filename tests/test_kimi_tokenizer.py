@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kern.checkpoint_errors import CheckpointError, MissingFileError, UnsupportedTokenizerError
+from kern.checkpoint.errors import CheckpointError, MissingFileError, UnsupportedTokenizerError
 from kern.tiktoken_file import NUM_SPECIAL_IDS, format_ranks, read_ranks
 from kern.tiny.tokenizer import KIMI_SPECIAL_TOKENS, learn_byte_merges, write_tiktoken_tokenizer
 from kern.tokenizer import ChatTemplateError, Tokenizer

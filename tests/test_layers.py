@@ -1,8 +1,11 @@
 """The package's shape, read from its source: every import of a kern module (top level or inside a
 function; not the ``if TYPE_CHECKING:`` blocks, which never run) runs downward through the layers
 cli/bench -> app -> server -> engine -> the base (models, backend, kernels, pool, checkpoints,
-configs, tokenizer, metrics, ...), no modules import each other in a circle, and no file grows
-past the size at which it stops being one concept.
+configs, tokenizer, metrics, ...); no modules import each other in a circle, not even through
+``if TYPE_CHECKING:`` imports (to a reader a circle is a circle); a family is its folder under
+``kern/models/`` and a registry row: no module outside the folder imports it but the registry
+(and the benchmarks), and its name is not spelled out elsewhere; and no file or function grows
+past the size at which it stops being one concept (Rust sources included).
 
 ``python tests/test_layers.py`` prints the graph's layers and its edges that run sideways.
 """
@@ -23,6 +26,14 @@ LAYER_NAMES = {4: "cli, bench", 3: "app", 2: "server", 1: "engine", 0: "base"}
 MAX_LINES = 450
 # One concept however long: the wire types of the HTTP API (msgspec Structs).
 LONG_FILES = {"kern/server/api.py"}
+MAX_FUNCTION_LINES = 100
+RUST = ROOT.parent / "rust"
+MAX_RUST_LINES = 700
+# Where a family may be named: its own folder and the registry (kern/models/), the
+# benchmarks (one per family); elsewhere at most this many literals (chat formats' names that
+# are also a family's: "qwen3", "kimi_k2").
+FAMILY_HOMES = ("kern/models/", "kern/bench/")
+MAX_FAMILY_LITERALS = 8
 
 
 def module_name(path: Path) -> str:
@@ -48,8 +59,11 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
-    """The kern modules ``module`` imports at run time."""
+def _imports(
+    tree: ast.AST, module: str, is_package: bool, known: set[str], *, typing: bool = False
+) -> set[str]:
+    """The kern modules ``module`` imports at run time (``typing``: and in its ``if
+    TYPE_CHECKING:`` blocks)."""
     found: set[str] = set()
 
     def resolve(name: str) -> str | None:
@@ -61,7 +75,7 @@ def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> s
         return None
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not typing:
             for child in node.orelse:
                 visit(child)
             return
@@ -91,12 +105,17 @@ def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> s
     return found
 
 
-def graph() -> dict[str, set[str]]:
+def graph(*, typing: bool = False) -> dict[str, set[str]]:
+    """Module -> the kern modules it imports (``typing``: counting ``TYPE_CHECKING`` imports)."""
     mods = modules()
     known = set(mods)
     return {
         name: _imports(
-            ast.parse(path.read_text(encoding="utf-8")), name, path.name == "__init__.py", known
+            ast.parse(path.read_text(encoding="utf-8")),
+            name,
+            path.name == "__init__.py",
+            known,
+            typing=typing,
         )
         for name, path in mods.items()
     }
@@ -174,6 +193,95 @@ def test_no_import_cycles():
     assert not found, "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_no_import_cycles_even_through_type_checking_imports():
+    found = cycles(graph(typing=True))
+    assert not found, "\n".join(" <-> ".join(c) for c in found)
+
+
+def _families() -> tuple[str, ...]:
+    """The family folders under kern/models/ (each has its registry row, checked below)."""
+    return tuple(
+        p.name
+        for p in sorted((PACKAGE / "models").iterdir())
+        if p.is_dir() and p.name != "layers" and (p / "__init__.py").is_file()
+    )
+
+
+def test_every_family_folder_has_a_registry_row():
+    rows = (PACKAGE / "models" / "registry.py").read_text(encoding="utf-8")
+    families = _families()
+    assert len(families) >= 6
+    for family in families:
+        assert f'"{family}",\n' in rows or f'"{family}"' in rows, family
+        assert (PACKAGE / "models" / family / "config.py").is_file(), family
+        assert (PACKAGE / "models" / family / "model.py").is_file(), family
+        assert (PACKAGE / "models" / family / "tiny.py").is_file(), family
+
+
+def test_only_the_registry_imports_a_family():
+    families = _families()
+    edges = graph(typing=True)
+    wrong = []
+    for src, targets in sorted(edges.items()):
+        rel = "kern/" + "/".join(src.split(".")[1:])
+        for dst in sorted(targets):
+            parts = dst.split(".")
+            if len(parts) < 3 or parts[1] != "models" or parts[2] not in families:
+                continue
+            home = f"kern.models.{parts[2]}"
+            if src == home or src.startswith(home + ".") or src == "kern.models.registry":
+                continue
+            if rel.startswith("kern/bench"):
+                continue
+            wrong.append(f"{src} imports {dst}")
+    assert not wrong, "\n".join(wrong)
+
+
+def family_literals() -> list[str]:
+    """String constants equal to a family's name or a config.json model_type it reads, in
+    python/kern outside the family homes."""
+    names = set(_families()) | {"qwen3_5_text", "kimi_k2", "kimi_k25"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(FAMILY_HOMES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{rel}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_families_are_not_named_outside_their_homes():
+    found = family_literals()
+    assert len(found) <= MAX_FAMILY_LITERALS, "\n".join(found)
+
+
+def test_no_function_outgrows_one_concept():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(("kern/kernels/", "kern/bench/")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, "\n".join(long)
+
+
+def test_no_rust_file_outgrows_one_concept():
+    sources = sorted(RUST.rglob("*.rs"))
+    assert sources, RUST
+    long = [
+        f"{p.relative_to(RUST)}: {n} lines"
+        for p in sources
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_RUST_LINES
+    ]
+    assert not long, "\n".join(long)
+
+
 def test_the_checker_finds_a_cycle_and_an_upward_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
@@ -191,6 +299,8 @@ def test_the_checker_finds_a_cycle_and_an_upward_import():
     known |= {"kern.server", "kern.server.api"}
     got = _imports(tree, "kern.engine.spec", False, known)
     assert got == {"kern.pool", "kern.engine.scheduler", "kern.server.api"}
+    typed = _imports(tree, "kern.engine.spec", False, known, typing=True)
+    assert typed == got | {"kern.app"}
 
 
 def test_no_file_outgrows_one_concept():
@@ -204,7 +314,7 @@ def test_no_file_outgrows_one_concept():
 
 
 if __name__ == "__main__":
-    edges = graph()
+    edges = graph(typing="--typing" in sys.argv)
     for level in sorted(LAYER_NAMES, reverse=True):
         names = sorted(m for m in edges if layer(m) == level)
         print(f"{LAYER_NAMES[level]} ({len(names)}): {', '.join(names)}")

@@ -96,11 +96,23 @@ def test_a_stateful_server_stays_within_its_budgets(tmp_path):
     assert peaks["big"] - peaks["small"] <= budgets + 32 * MIB
 
 
+class _PlainHits:
+    """K/V pages' hit rule (kern.models.pages.Pages): every resident hit is exact."""
+
+    prompt_snapshots = False
+
+    def hit_key(self, tokens):
+        return tokens
+
+    def exact_hit(self, match, hit) -> int:
+        return hit
+
+
 class _NoBytes:
     """A runner that moves no bytes: the cache's books alone."""
 
     stateful = False
-    whole_page_hits = False
+    pages = _PlainHits()
 
     def park(self, plans) -> None:
         pass

@@ -1,4 +1,4 @@
-"""kern.model_config: config.json parsing for each family, defaults equal to transformers',
+"""kern.checkpoint.config: config.json parsing for each family, defaults equal to transformers',
 errors."""
 
 from __future__ import annotations
@@ -8,15 +8,14 @@ import json
 
 import pytest
 
-from kern.model_config import (
+from kern.checkpoint.config import load_config, parse_config
+from kern.checkpoint.errors import (
     CheckpointError,
     ConfigFieldError,
     MissingFileError,
-    ModelConfig,
     UnsupportedModelError,
-    load_config,
-    parse_config,
 )
+from kern.models.config import ModelConfig
 
 QWEN3 = {
     "model_type": "qwen3",
@@ -71,8 +70,9 @@ def test_qwen3_fields():
     assert c.rope_theta == 1e6 and c.partial_rotary_factor == 1.0 and c.rotary_dim == 16
     assert c.layer_types == ("full_attention", "full_attention")
     assert c.eos_token_ids == (7,) and c.bos_token_id == 5
-    assert c.num_experts == 0 and not c.is_sparse_layer(0)
-    assert not c.tie_word_embeddings and not c.attn_output_gate
+    assert c.experts is None and not c.is_sparse_layer(0)
+    assert c.mlp_layer_types == ("dense", "dense") and c.family_fields is None
+    assert c.mla is None and c.delta is None and not c.tie_word_embeddings
     assert c.raw == QWEN3
 
 
@@ -85,24 +85,26 @@ def test_config_is_frozen_and_compares_without_raw():
 
 def test_qwen3_moe_sparse_layers_follow_transformers_rule():
     c = parse_config(QWEN3_MOE)
-    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 2, 32)
-    assert c.norm_topk_prob and c.decoder_sparse_step == 2 and c.mlp_only_layers == (3,)
+    e, own = c.experts, c.family_fields
+    assert (e.num_experts, e.num_experts_per_tok, e.moe_intermediate_size) == (8, 2, 32)
+    assert e.norm_topk_prob and own.decoder_sparse_step == 2 and own.mlp_only_layers == (3,)
     # sparse when (i + 1) % step == 0 and i not in mlp_only_layers
     assert [c.is_sparse_layer(i) for i in range(6)] == [False, True, False, False, False, True]
 
 
 def test_qwen3_moe_accepts_transformers_5_alias_num_local_experts():
     raw = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
-    assert parse_config({**raw, "num_local_experts": 4}).num_experts == 4
+    assert parse_config({**raw, "num_local_experts": 4}).experts.num_experts == 4
 
 
 def test_qwen3_5_text_and_multimodal_parse_to_the_same_family():
     text = parse_config(QWEN3_5_TEXT)
     assert text.model_type == "qwen3_5"
     assert text.is_linear_layer(0) and not text.is_linear_layer(1)
-    assert (text.linear_num_key_heads, text.linear_num_value_heads) == (2, 4)
-    assert (text.linear_key_head_dim, text.linear_value_head_dim) == (16, 16)
-    assert text.linear_conv_kernel_dim == 4 and text.attn_output_gate
+    d = text.delta
+    assert (d.num_key_heads, d.num_value_heads) == (2, 4)
+    assert (d.key_head_dim, d.value_head_dim) == (16, 16)
+    assert d.conv_kernel_dim == 4
     assert text.rope_theta == 1e7 and text.rotary_dim == 8
     assert text.eos_token_ids == (7, 9)
     multimodal = {

@@ -1,10 +1,10 @@
-"""``draft = "mtp"`` (kern.engine.mtp): a deepseek_v3 checkpoint's own multi-token-prediction
-layer drafts. Its draft logits are transformers' (``MtpModel``) at every position of a
-sequence, and transformers' greedy answer with ``use_mtp=True`` is kern's at rows 4 and 1. At
-rows 2, 4 and 5 the answer is the rows-1 answer bit for bit, through ``kern run`` and the
-scheduler, alone, in a batch, after a prefix hit (the MTP's entries there filled blind) and
-in a pool too tight for every MTP page; seeded sampling too; the scheduler drafts exactly what
-``kern run`` drafts. What kern cannot run is refused by name.
+"""``draft = "mtp"`` (kern.engine.drafters.mtp): a deepseek_v3 checkpoint's own
+multi-token-prediction layer drafts. Its draft logits are transformers' (``MtpModel``) at every
+position of a sequence, and transformers' greedy answer with ``use_mtp=True`` is kern's at rows 4
+and 1. At rows 2, 4 and 5 the answer is the rows-1 answer bit for bit, through ``kern run`` and the
+scheduler, alone, in a batch, after a prefix hit (the MTP's entries there filled blind) and in a
+pool too tight for every MTP page; seeded sampling too; the scheduler drafts exactly what ``kern
+run`` drafts. What kern cannot run is refused by name.
 
 Acceptance: random weights accept next to nothing (the MTP layer was never trained to agree
 with its target); it is measured, and shown with ``-s``, on a tiny model whose MTP layer is
@@ -25,11 +25,11 @@ from support.scheduler import draft_of, fresh, prompt, spec_counts
 
 from kern.arith import cdiv
 from kern.bench.mtp import agreeing
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.load import load_checkpoint
 from kern.chunk import SeqChunk
+from kern.engine.drafters.mtp import mtp_runner
 from kern.engine.generate import generate
 from kern.engine.load import Engine
-from kern.engine.mtp import MtpRunner
 from kern.engine.params import SamplingParams
 from kern.engine.runner import Runner
 from kern.engine.targets import select
@@ -120,14 +120,13 @@ def test_draft_logits_and_greedy_answer_are_transformers(folders):
     assert runner.hidden is not None
     torch.testing.assert_close(runner.hidden, hidden[0], atol=1e-4, rtol=0)
     # kern's MTP in chunks of 7 entries over pages of 4 (each chunk attends to the ones before).
-    layer = MtpRunner.with_pages(runner, ckpt, pages)
+    layer = mtp_runner(runner, ckpt, num_pages=pages)
     got = []
     for a in range(0, len(seq) - 1, 7):
         b = min(a + 7, len(seq) - 1)
-        rows, _ = layer.forward(
-            [SeqChunk(seq[a + 1 : b + 1], a, table, logits="all")], runner.hidden[a:b]
-        )
-        got.append(layer.ops.linear(rows, layer.target.w_head).float())
+        chunk = SeqChunk(seq[a + 1 : b + 1], a, table, logits="all")
+        # Every row's logits: the target's head on the layer's output (already normed).
+        got.append(layer.forward([chunk], inputs=runner.hidden[a:b]))
     torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=0)
     answer = seq[len(ids) :]
     assert generate(ckpt, ids, STEPS, page_tokens=PT).ids == answer
@@ -245,9 +244,9 @@ def test_mtp_pages_span_more_tokens_where_the_backend_reads_any_stride(folders, 
     3: 1). Answers and drafts are those of ``kern run`` on the same backend."""
     from kern.backend import make_ops
 
-    assert engines("agree").mtp.page_tokens == PT
+    assert engines("agree").drafting.runner.page_tokens == PT
     engine = Engine.load(target(folders["agree"]), ops=make_ops("cpu", reference=True))
-    assert engine.mtp is not None and engine.mtp.page_tokens == 2 * PT
+    assert engine.drafting.runner is not None and engine.drafting.runner.page_tokens == 2 * PT
     ckpt, p = engine.checkpoint, prompt(2, 10)
     h = fresh(engine, rows=5)
     r = h.submit(p, 16, ignore_eos=True)

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kern.batch import SeqChunk
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.config import parse_config
+from kern.checkpoint.load import load_checkpoint
+from kern.chunk import SeqChunk
 from kern.engine.generate import generate
 from kern.engine.runner import Runner
-from kern.model_config import parse_config
 from kern.tiny import make_tiny
 from kern.tiny.model import _weights
 

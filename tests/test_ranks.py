@@ -105,16 +105,17 @@ def test_deltanet_layers_split_by_heads(tiny, tiny_dir):
     full = tiny("qwen3_5")
     c = full.config
     parts = [load_shard(tiny_dir("qwen3_5"), Shard(r, 2, "tp")) for r in range(2)]
-    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
-    sizes = (key_dim, key_dim, c.linear_num_value_heads * c.linear_value_head_dim)
+    d = c.delta
+    key_dim = d.num_key_heads * d.key_head_dim
+    sizes = (key_dim, key_dim, d.num_value_heads * d.value_head_dim)
     for name in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
         name = next(n for n in full.tensors if n.endswith(name))
         whole = full.tensors[name].split(sizes)  # q, k, v
         halves = [p.tensors[name].split([s // 2 for s in sizes]) for p in parts]
         for j in range(3):
             assert (torch.cat([halves[0][j], halves[1][j]]) == whole[j]).all(), (name, j)
-    assert parts[0].config.linear_num_value_heads * 2 == c.linear_num_value_heads
-    assert parts[1].config.linear_num_key_heads * 2 == c.linear_num_key_heads
+    assert parts[0].config.delta.num_value_heads * 2 == d.num_value_heads
+    assert parts[1].config.delta.num_key_heads * 2 == d.num_key_heads
 
 
 def test_expert_parallel_ranks_hold_disjoint_experts(tiny, tiny_dir):
@@ -172,18 +173,17 @@ def test_config_keys(tmp_path, toml):
 def test_a_runner_call_that_is_not_broadcast_is_refused():
     class Fake:
         stateful = False
-        whole_page_hits = False
 
         def kv_at(self) -> str:
             return "rank 0's heads"
 
-        def rewind(self) -> None:
+        def discard(self) -> None:
             raise AssertionError("must not run on rank 0 alone")
 
     runner = RankedRunner(Fake(), send=None, guard=None)  # type: ignore[arg-type]
     assert runner.stateful is False and runner.kv_at() == "rank 0's heads"
-    with pytest.raises(AttributeError, match=r"Runner.rewind is not broadcast"):
-        runner.rewind()
+    with pytest.raises(AttributeError, match=r"Runner.discard is not broadcast"):
+        runner.discard()
 
 
 # --- identity within a rank count ------------------------------------------------------------

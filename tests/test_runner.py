@@ -11,8 +11,9 @@ from kern.backend import CudaOps, ReferenceOps, cpu, make_ops
 from kern.backend import cpu_attention as attention
 from kern.backend import cpu_recurrence as recurrent
 from kern.backend.cpu import MIN_ROWS, ROW_TILE, CpuOps
-from kern.batch import SeqChunk, build_step
-from kern.checkpoint import load_checkpoint
+from kern.batch import build_step
+from kern.checkpoint.load import load_checkpoint
+from kern.chunk import SeqChunk
 from kern.engine.runner import Runner
 from kern.kernels.causal_conv1d import reference as conv_ref
 from kern.kernels.gated_delta_rule import reference as gdr_ref
@@ -49,9 +50,9 @@ def test_arena_layout(qwen3, qwen3_5):
     assert s.delta_states.shape == (
         3,
         c.layer_types.count("linear_attention"),
-        c.linear_num_value_heads,
-        c.linear_key_head_dim,
-        c.linear_value_head_dim,
+        c.delta.num_value_heads,
+        c.delta.key_head_dim,
+        c.delta.value_head_dim,
     )
     assert s.delta_states.dtype == torch.float32
     assert s.layout.state_bytes == (

@@ -26,7 +26,7 @@ from support.server import KEY, MODEL, Server, parse_metrics
 
 from kern import __version__
 from kern.backend.cpu import onednn_rows_hold
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.load import load_checkpoint
 from kern.engine.generate import generate
 
 KERN = [sys.executable, "-m", "kern.cli"]

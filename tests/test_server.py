@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from support.server import KEY, MODEL, Server
 
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.load import load_checkpoint
 from kern.engine.generate import generate
 from kern.probe import probe_ulps
 from kern.tiny import default_model_path

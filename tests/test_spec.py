@@ -1,9 +1,9 @@
-"""Speculative rows (kern.engine.scheduler with ``rows > 1``, kern.engine.ngram): every family's
-answer at rows 5 is the rows-1 answer bit for bit, alone and in a batch, and ``kern run``'s at rows
-5; tokens accepted past a stop or ``max_tokens`` are never sent and leave nothing behind (the
-recurrent state is rewound, so next turns hit the request-end snapshot every time); logits
-processing that depends on earlier tokens is verified row by row; seeded sampling gives the
-rows-1 tokens, and the accept rule is standard speculative sampling for a point-mass draft."""
+"""Speculative rows (kern.engine.scheduler with ``rows > 1``, kern.engine.drafters.ngram): every
+family's answer at rows 5 is the rows-1 answer bit for bit, alone and in a batch, and ``kern run``'s
+at rows 5; tokens accepted past a stop or ``max_tokens`` are never sent and leave nothing behind
+(the recurrent state is rewound, so next turns hit the request-end snapshot every time); logits
+processing that depends on earlier tokens is verified row by row; seeded sampling gives the rows-1
+tokens, and the accept rule is standard speculative sampling for a point-mass draft."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ import pytest
 import torch
 from support.scheduler import Harness, fresh, load, prompt, spec_counts
 
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.load import load_checkpoint
+from kern.engine.drafters.ngram import NgramDrafter
 from kern.engine.generate import generate
-from kern.engine.ngram import NgramDrafter
 from kern.engine.params import SamplingParams
+from kern.engine.request import DraftState
 from kern.engine.sampler import sample
-from kern.engine.spec import DraftState
 from kern.tiny import default_model_path
 
 PT = 4

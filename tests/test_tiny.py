@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.load import load_checkpoint
 from kern.tiny import DEFAULT_MODEL_ARGS, default_model_path, make_tiny
 
 
@@ -88,7 +88,7 @@ def test_moe_layout_options(tmp_path):
     )
     ckpt = load_checkpoint(folder)
     c = ckpt.config
-    assert not c.norm_topk_prob and [c.is_sparse_layer(i) for i in range(4)] == [
+    assert not c.experts.norm_topk_prob and [c.is_sparse_layer(i) for i in range(4)] == [
         False,
         True,
         False,

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kern.model_config import MissingFileError
+from kern.checkpoint.errors import MissingFileError
 from kern.tiny import SPECIAL_TOKENS, make_tiny
 from kern.tokenizer import ChatTemplateError, Tokenizer
 

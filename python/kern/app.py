@@ -21,11 +21,12 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kern import __version__
-from kern.checkpoint import sampling_defaults
+from kern.checkpoint.load import sampling_defaults
 from kern.engine.load import Engine
 from kern.engine.request import Event, Request
-from kern.engine.scheduler import Scheduler, start_scheduler
+from kern.engine.scheduler import Scheduler
 from kern.engine.structured import GrammarBudget, Grammars
+from kern.engine.thread import start_scheduler
 from kern.kern_toml import Target
 from kern.metrics import Metrics
 from kern.server import anthropic_messages, api, heap, openai_responses, openapi

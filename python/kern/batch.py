@@ -41,6 +41,8 @@ class Step:
     rope: object = None
     attention: object = None
     recurrent: object = None
+    # Rows a model reads beside its tokens, [T, ...] (the MTP layer: the target's hidden).
+    inputs: Tensor | None = None
 
 
 def validate(

@@ -22,9 +22,9 @@ grammar_max_bytes = "1MiB"         # the largest schema (as JSON) a request may 
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
 misspelt ``page_token = 32`` silently ignored would serve with 16 and nobody would know. This
 module parses; whether a command can run what a target asks (a draft checkpoint of the same
-tokenizer whose KV fits the target's pages, kern.engine.draft; ``draft = "mtp"`` on a deepseek_v3
-checkpoint with a multi-token-prediction layer, kern.engine.mtp; ``ranks`` and ``parallel`` split
-only what kern implements) is
+tokenizer whose KV fits the target's pages, kern.engine.drafters.model; ``draft = "mtp"`` on
+a deepseek_v3 checkpoint with a multi-token-prediction layer, kern.engine.drafters.mtp;
+``ranks`` and ``parallel`` split only what kern implements) is
 :func:`kern.engine.targets.check_target`'s call. A step at rows R verifies the last token and R - 1
 drafts, so ``rows`` also says how many tokens to draft; ``draft`` without a row shape above 1
 would draft nothing, and is an error.
@@ -128,8 +128,8 @@ class Target:
     # verifies the sequence's last token and R - 1 drafted tokens.
     rows: tuple[int, ...] = (1,)
     # "ngram" for n-gram lookup in the context, "mtp" for the checkpoint's own
-    # multi-token-prediction layer (deepseek_v3, kern.engine.mtp), a draft checkpoint folder,
-    # or None (at rows > 1: n-gram lookup, the drafter that needs no model).
+    # multi-token-prediction layer (deepseek_v3, kern.engine.drafters.mtp), a draft
+    # checkpoint folder, or None (at rows > 1: n-gram lookup, the drafter that needs no model).
     draft: str | None = None
     ranks: int = 1
     # How ranks split the model (kern.engine.ranks.shard): "tp" or "ep".

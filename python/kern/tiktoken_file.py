@@ -47,7 +47,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from kern.checkpoint_errors import CheckpointError, MissingFileError, UnsupportedTokenizerError
+from kern.checkpoint.errors import CheckpointError, MissingFileError, UnsupportedTokenizerError
 
 __all__ = [
     "KIMI_PATTERN",

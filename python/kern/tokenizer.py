@@ -45,7 +45,7 @@ from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kern.model_config import CheckpointError
+from kern.checkpoint.errors import CheckpointError
 from kern.tiktoken_file import TIKTOKEN_FILE, missing_tokenizer_error, tiktoken_backend
 from kern.token_bytes import bytes_to_unicode
 
@@ -117,8 +117,8 @@ class Tokenizer:
         """Load a folder's ``tokenizer.json`` (or else Kimi's ``tiktoken.model``, see
         :mod:`kern.tiktoken_file`) and ``tokenizer_config.json`` (optional with the former).
 
-        Raises :class:`~kern.model_config.MissingFileError` without either tokenizer file and
-        :class:`~kern.model_config.CheckpointError` for a file that does not parse.
+        Raises :class:`~kern.checkpoint.errors.MissingFileError` without either tokenizer file and
+        :class:`~kern.checkpoint.errors.CheckpointError` for a file that does not parse.
         """
         path = Path(path)
         config: dict[str, Any] = {}

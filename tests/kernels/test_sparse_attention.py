@@ -123,7 +123,7 @@ def test_reference_equals_attend(dtype):
     """Bitwise: the reference over the flattened table equals the backend's `attend` over
     the window's page view and the gathered compressed entries (the plan's three window
     fields are all `attend` reads)."""
-    from kern.backend.compressed_attention import attend
+    from kern.models.deepseek_v4.attention import attend
 
     rows, heads, dim, pages, page_tokens, window, extra_keys = 5, 4, 64, 6, 8, 10, 7
     view = torch.randn(pages, page_tokens, dim).to(dtype)

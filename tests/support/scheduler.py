@@ -10,8 +10,7 @@ from pathlib import Path
 
 from kern.engine.generate import generate
 from kern.engine.load import Engine
-from kern.engine.request import Event, Request
-from kern.engine.spec import DraftState
+from kern.engine.request import DraftState, Event, Request
 from kern.kern_toml import Target
 
 

@@ -31,65 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-# (name, make-tiny sizes) of the models the issue names; --small swaps in a tiny one.
-MODELS = {
-    "qwen3-0.6b": dict(
-        layers=28,
-        hidden=1024,
-        heads=16,
-        kv_heads=8,
-        head_dim=128,
-        intermediate=3072,
-        vocab=151936,
-        tie_embeddings=True,
-    ),
-    "qwen3-4b": dict(
-        layers=36,
-        hidden=2560,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        intermediate=9728,
-        vocab=151936,
-        tie_embeddings=True,
-    ),
-}
-SMALL = {
-    "qwen3-small": dict(
-        layers=2,
-        hidden=64,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        intermediate=128,
-        vocab=512,
-        tie_embeddings=True,
-    )
-}
-
-
-def device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, repeat: int = 5, warmup: int = 2) -> float:
-    """Best seconds of ``repeat`` calls of fn (after ``warmup``), synchronized."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return best
+from common import MODELS, SMALL, _load, _runner, device, timed
 
 
 def copy_bandwidth(small: bool) -> float:
@@ -275,19 +217,6 @@ def section_decode(args) -> dict:
     return out
 
 
-def _runner(ckpt, num_seqs: int, tokens: int, page: int):
-    from kern.arith import cdiv
-    from kern.backend import make_ops
-    from kern.engine.runner import Runner
-
-    pages = cdiv(tokens, page)
-    ops = make_ops(device())
-    runner = Runner.with_pages(
-        ckpt, num_pages=pages * num_seqs, page_tokens=page, num_slots=num_seqs, ops=ops
-    )
-    return runner, [list(range(i * pages, (i + 1) * pages)) for i in range(num_seqs)]
-
-
 def _decode_model(name, path, sizes, batches, prompt, steps, bw, small) -> list:
     from kern.chunk import SeqChunk
     from kern.engine.params import SamplingParams
@@ -335,13 +264,6 @@ def _decode_model(name, path, sizes, batches, prompt, steps, bw, small) -> list:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
-
-
-def _load(path: Path, small: bool):
-    from kern.checkpoint import load_checkpoint
-
-    dtype = torch.float32 if small else torch.bfloat16
-    return load_checkpoint(path, device=device(), dtype=dtype, progress=False)
 
 
 def _weight_bytes(ckpt) -> int:

@@ -4,7 +4,7 @@ device, against eager; apart from bench.py for its length."""
 from __future__ import annotations
 
 import torch
-from bench import MODELS, SMALL, _load, _runner, timed
+from common import MODELS, SMALL, _load, _runner, timed
 
 
 def section_graphs(args) -> dict:

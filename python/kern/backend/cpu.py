@@ -167,8 +167,8 @@ class CpuOps:
     ):
         """cos and sin [T, 1, rotary_dim / 2] for the step, shared by every layer: the
         reference's tables, built once per step instead of twice per layer. ``inv_freq``
-        (YaRN's, ``kern.rope``) replaces theta's; both tables are scaled by ``scaling``
-        (YaRN's attention factor), as transformers scales them."""
+        (YaRN's, ``kern.models.layers.rope``) replaces theta's; both tables are scaled by
+        ``scaling`` (YaRN's attention factor), as transformers scales them."""
         if inv_freq is None:
             inv_freq = _rotary_ref.inv_freq(theta, rotary_dim)
         freqs = positions[:, None].float() * inv_freq

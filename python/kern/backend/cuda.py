@@ -191,7 +191,7 @@ class CudaOps:
         self, q: Tensor, keys: Tensor, key_rows: Tensor, valid: Tensor, sinks: Tensor, scale: float
     ) -> Tensor:
         """DeepSeek-V4's attention with sinks over rows of ``keys`` (a table over the arena,
-        ``kern.backend.compressed_attention.key_rows``)."""
+        ``kern.models.deepseek_v4.attention.key_rows``)."""
         return self._sparse.sparse_attention(q.contiguous(), keys, key_rows, valid, sinks, scale)
 
     def compressor_pool(

@@ -43,10 +43,10 @@ import torch
 from kern.arith import cdiv
 from kern.bench.decode_probe import PARTS, Decode, Probe, Split
 from kern.bench.forward import MODEL_100M, best
+from kern.checkpoint.config import load_config
 from kern.engine.layout import Layout
 from kern.engine.load import DEFAULT_POOL_BYTES, Engine
 from kern.kern_toml import Target
-from kern.model_config import load_config
 
 WARMUP_STEPS = 2
 HOST_BATCHES = (1, 64)

@@ -1,7 +1,7 @@
 """DeepSeek-V4: ``python -m kern.bench.deepseek_v4``.
 
 1. Bytes at the released dims (bf16): a compressed page of 16 and of 128 tokens
-   (``Layout.of``) against the formula of ``kern.engine.compressed_layout``, a token's share,
+   (``Layout.of``) against the formula of ``kern.models.deepseek_v4.pages``, a token's share,
    a million-token sequence, and vLLM's quoted figure for Pro beside it.
 2. CPU decode of the tiny config (``make-tiny deepseek_v4``, or ``--model``) at batch 1 and
    ``--batch`` against transformers' ``DeepseekV4ForCausalLM.generate`` in the same run,
@@ -24,8 +24,8 @@ import torch
 
 from kern.arith import cdiv
 from kern.bench.forward import best
+from kern.checkpoint.config import parse_config
 from kern.engine.layout import Layout
-from kern.model_config import parse_config
 
 __all__ = ["main"]
 
@@ -108,7 +108,7 @@ def kern_decode(runner, prompts: list[list[int]], steps: int) -> list[list[int]]
 def speed_rows(model: Path, prompt_len: int, steps: int, batch: int, repeat: int) -> list[str]:
     import transformers
 
-    from kern.checkpoint import load_checkpoint
+    from kern.checkpoint.load import load_checkpoint
     from kern.engine.runner import Runner
 
     ckpt = load_checkpoint(model)
@@ -148,10 +148,10 @@ def speed_rows(model: Path, prompt_len: int, steps: int, batch: int, repeat: int
 
 
 def prefill_rows(model: Path, long: int) -> list[str]:
-    from kern.backend import compressed_attention as ca
-    from kern.checkpoint import load_checkpoint
+    from kern.checkpoint.load import load_checkpoint
     from kern.chunk import SeqChunk
     from kern.engine.runner import Runner
+    from kern.models.deepseek_v4 import attention as ca
 
     ckpt = load_checkpoint(model)
     spent = {"indexer": 0.0}

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kern.arith import cdiv
-from kern.checkpoint import Checkpoint, load_checkpoint
+from kern.checkpoint.load import Checkpoint, load_checkpoint
 from kern.chunk import SeqChunk
 from kern.engine.params import SamplingParams
 from kern.engine.runner import Runner

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from kern.arith import cdiv
-from kern.batch import SeqChunk
-from kern.checkpoint import Checkpoint, load_checkpoint
+from kern.checkpoint.load import Checkpoint, load_checkpoint
+from kern.chunk import SeqChunk
 from kern.engine.generate import generate
 from kern.engine.runner import Runner
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from kern.bench.forward import best
+from kern.checkpoint.config import load_config, parse_config
 from kern.engine.layout import Layout
-from kern.model_config import load_config, parse_config
 
 __all__ = ["main"]
 
@@ -59,19 +59,21 @@ def bytes_rows() -> list[str]:
     layout = Layout.of(c, torch.bfloat16, 1)
     kda = sum(c.is_linear_layer(i) for i in range(c.num_hidden_layers))
     mla = c.num_hidden_layers - kda
-    heads, d = c.linear_num_value_heads, c.linear_value_head_dim
+    assert c.delta is not None and c.mla is not None
+    heads, d, kernel = c.delta.num_value_heads, c.delta.value_head_dim, c.delta.conv_kernel_dim
     delta = kda * heads * d * d * 4
-    conv = kda * 3 * heads * d * (c.linear_conv_kernel_dim - 1) * 2
-    per_token = mla * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
+    conv = kda * 3 * heads * d * (kernel - 1) * 2
+    latent = c.mla.kv_lora_rank + c.mla.qk_rope_head_dim
+    per_token = mla * latent * 2
     assert layout.state_bytes == delta + conv and layout.page_bytes == per_token
-    all_mla = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
+    all_mla = c.num_hidden_layers * latent * 2
     return [
         "| Kimi-Linear-48B | kern | formula |",
         "| --- | ---: | ---: |",
         f"| state a sequence (delta, float32) | {layout.delta_bytes:,} | "
         f"{kda} x {heads} x {d} x {d} x 4 = {delta:,} |",
         f"| state a sequence (conv, bf16) | {layout.conv_bytes:,} | "
-        f"{kda} x {3 * heads * d} x {c.linear_conv_kernel_dim - 1} x 2 = {conv:,} |",
+        f"{kda} x {3 * heads * d} x {kernel - 1} x 2 = {conv:,} |",
         f"| state a sequence, total | {layout.state_bytes:,} "
         f"({layout.state_bytes / 2**20:.1f} MiB) | |",
         f"| latent pages a token ({mla} layers) | {layout.page_bytes:,} | "
@@ -88,7 +90,7 @@ def copy_time(state_bytes: int, repeat: int) -> float:
 def speed_rows(model: Path, prompt_len: int, steps: int, repeat: int) -> list[str]:
     import transformers
 
-    from kern.checkpoint import load_checkpoint
+    from kern.checkpoint.load import load_checkpoint
     from kern.engine.generate import generate
 
     ckpt = load_checkpoint(model)

@@ -26,9 +26,9 @@ import torch
 from kern.backend import CpuOps
 from kern.batch import build_step
 from kern.bench.forward import best
+from kern.checkpoint.config import parse_config
 from kern.chunk import SeqChunk
 from kern.engine.layout import Layout
-from kern.model_config import parse_config
 
 # Released config.json fields that set the KV size (DeepSeek-V3 / R1, Kimi K2).
 RELEASED = {
@@ -73,12 +73,14 @@ def bytes_table() -> list[str]:
             **dims,
         }
         c = parse_config(raw)
+        m = c.mla
+        assert m is not None
         kern_bytes = Layout.of(c, torch.bfloat16, 1).page_bytes
-        formula = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
+        formula = c.num_hidden_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 2
         per_head = (
             c.num_hidden_layers
             * c.num_attention_heads
-            * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
+            * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
             * 2
         )
         saving = per_head / kern_bytes

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from kern.arith import cdiv
-from kern.batch import SeqChunk
 from kern.bench.forward import MODEL_100M
+from kern.chunk import SeqChunk
 
 PAGE_TOKENS = 16
 
@@ -48,8 +48,8 @@ def _hwm_mib(pid: int | str = "self") -> float:
 
 def _shard_bytes(model: Path, ranks: int) -> list[int]:
     from kern import checkpoint as ck
+    from kern.checkpoint.config import load_config
     from kern.engine.ranks.shard import Shard
-    from kern.model_config import load_config
 
     config = load_config(model)
     entries = ck._index_tensors(model, config)
@@ -88,7 +88,7 @@ def one(model: Path, ranks: int, threads: int, args: argparse.Namespace) -> dict
         runner: Any = ranked.runner_with_pages(ckpt, num_pages)
         ranked_runner = runner
     else:
-        from kern.checkpoint import load_checkpoint
+        from kern.checkpoint.load import load_checkpoint
         from kern.engine.runner import Runner
 
         ckpt = load_checkpoint(model)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kern.arith import cdiv
-from kern.checkpoint import load_checkpoint
+from kern.checkpoint.load import load_checkpoint
 from kern.chunk import SeqChunk
 from kern.engine.params import Context, SamplingParams
 from kern.engine.runner import Runner

@@ -261,11 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()[0]
         name = model.name if args.model else "qwen3 ~88M (make-tiny, seed 0)"
         if args.draft:
-            assert engine.draft is not None
-            d = engine.draft.config
+            draft = getattr(engine.drafting, "runner", None)
+            assert draft is not None
+            d = draft.config
             how = (
                 f"a draft checkpoint of {d.num_hidden_layers} layers of {d.hidden_size} "
-                f"({engine.draft.page_tokens} tokens a pool page); {len(chosen)} random prompts"
+                f"({draft.page_tokens} tokens a pool page); {len(chosen)} random prompts"
             )
         else:
             how = (

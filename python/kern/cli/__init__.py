@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from kern import __version__
+from kern.checkpoint.errors import CheckpointError
 from kern.cli import bench, make_tiny, run, selfcheck, serve
 from kern.errors import UsageError
 from kern.kern_toml import TomlConfigError
-from kern.model_config import CheckpointError
 
 __all__ = ["main"]
 

@@ -305,7 +305,7 @@ def _runner_rate(args: argparse.Namespace, engine, batch: int, repeat: int = 2) 
 
 
 def _decode_rate(args: argparse.Namespace, runner, tables, slots, repeat: int) -> float:
-    from kern.batch import SeqChunk
+    from kern.chunk import SeqChunk
     from kern.engine.params import GREEDY
     from kern.engine.sampler import sample
 
@@ -335,7 +335,8 @@ def _baselines(
     loads the model, as in the server (see ``kern.engine.scheduler.start_scheduler``)."""
     from kern.engine.load import Engine
     from kern.engine.request import Request
-    from kern.engine.scheduler import Scheduler, start_scheduler
+    from kern.engine.scheduler import Scheduler
+    from kern.engine.thread import start_scheduler
 
     target = Target(
         name="baseline", checkpoint=Path(args.baseline_model).resolve(), threads=args.threads

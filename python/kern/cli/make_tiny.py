@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kern.cli.args import count, index_list, positive_int
 from kern.errors import UsageError
-from kern.model_config import FAMILIES
+from kern.models.registry import NAMES as FAMILIES
 
 __all__ = ["add_parser", "run"]
 

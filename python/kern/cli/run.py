@@ -32,7 +32,7 @@ from kern.kern_toml import Target
 from kern.probe import RunInfo, write_probe
 
 if TYPE_CHECKING:
-    from kern.checkpoint import Checkpoint
+    from kern.checkpoint.load import Checkpoint
     from kern.engine.generate import GenerateResult
     from kern.engine.params import SamplingParams
     from kern.engine.ranks.launch import Ranks

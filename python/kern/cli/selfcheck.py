@@ -28,7 +28,7 @@ from kern.kern_toml import Target
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from kern.checkpoint import Checkpoint
+    from kern.checkpoint.load import Checkpoint
     from kern.engine.generate import GenerateResult
 
 __all__ = ["add_parser", "run"]

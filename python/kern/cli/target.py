@@ -17,7 +17,7 @@ from kern.engine.targets import Selection, select
 from kern.kern_toml import DEFAULT_THREADS, Target
 
 if TYPE_CHECKING:
-    from kern.checkpoint import Checkpoint
+    from kern.checkpoint.load import Checkpoint
 
 __all__ = ["add_target_args", "load", "load_draft", "select_target"]
 
@@ -67,7 +67,7 @@ def load(target: Target) -> Checkpoint:
     its multi-token-prediction layer when it drafts with it (``draft = "mtp"``)."""
     import torch
 
-    from kern.checkpoint import load_checkpoint
+    from kern.checkpoint.load import load_checkpoint
 
     # Pin before loading: loading casts with torch ops too, and nothing after may differ.
     torch.set_num_threads(target.threads)
@@ -77,7 +77,7 @@ def load(target: Target) -> Checkpoint:
 
 def load_draft(target: Target) -> Checkpoint | None:
     """The target's draft checkpoint (checked by kern.engine.targets), or None."""
-    from kern.checkpoint import load_checkpoint
+    from kern.checkpoint.load import load_checkpoint
 
     if target.draft_checkpoint is None:
         return None

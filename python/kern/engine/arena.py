@@ -15,9 +15,9 @@ Design notes
   The device arena starts zeroed all the same, so even a masked read of a never-written page
   sees finite numbers; the host arena is only ever read where a park wrote it, and is left
   unwritten (the OS maps it on first touch).
-* A draft checkpoint's runner views the same device arena (kern.engine.draft): its placement has the
-  pool's page stride (``page_stride``, the target's ``page_bytes``) and its own, smaller
-  ``page_bytes``, so draft page ``p`` is the first bytes of pool page ``p``. The pool hands
+* A drafter's runner views the same device arena (kern.engine.drafters, ``Runner.over_arena``): its
+  placement has the pool's page stride (``page_stride``, the target's ``page_bytes``) and its own,
+  smaller ``page_bytes``, so draft page ``p`` is the first bytes of pool page ``p``. The pool hands
   such pages to requests like any other, so the two models never share a page in use.
 * Plans are landed as raw rows of bytes: one gather and one scatter per arena for a whole
   list of park plans (not one per evicted entry), one per arena for a wake. A park list can

@@ -18,9 +18,9 @@ Design notes
   pages up to its length only, so columns past it are never read.
 * Which steps: every chunk one token with ``logits="last"``, n at most the largest size,
   and no hidden rows kept (MTP); anything else (prefill, verify chunks, larger batches) runs
-  eagerly. Which models: those whose forward reads nothing back to the host (:data:`FAMILIES`;
-  an MoE routes on the host, a stateful model clears and plans its slots there) and whose
-  RoPE the kernel computes (YaRN's tables are built per step).
+  eagerly. Which models: those whose forward reads nothing back to the host (their registry
+  row's ``cuda_graphs``; an MoE routes on the host, a stateful model clears and plans its
+  slots there) and whose RoPE the kernel computes (YaRN's tables are built per step).
 * Modes: ``"graph"`` captures and replays (CUDA); ``"static"`` runs the captured function
   eagerly over the same static buffers (the torch reference backend on the CPU: the wiring
   checked without a GPU); ``"padded"`` runs the padded batch through the runner's eager
@@ -41,13 +41,14 @@ from torch import Tensor
 from kern.arith import cdiv
 from kern.batch import Step
 from kern.chunk import SeqChunk
-from kern.models import Caches
+from kern.models import registry
+from kern.models.layers.caches import Caches
+from kern.models.pages import KvViews
 
 if TYPE_CHECKING:
     from kern.engine.runner import Runner
 
 __all__ = [
-    "FAMILIES",
     "MAX_SIZE",
     "DecodeGraphs",
     "StaticInputs",
@@ -59,8 +60,6 @@ __all__ = [
 ]
 
 MAX_SIZE = 256  # the largest captured batch (the scheduler's default max_running)
-# Model families whose decode forward launches device work only (no host read-back).
-FAMILIES = frozenset({"qwen3"})
 Mode = Literal["graph", "static", "padded"]
 _ROWS = ("token_ids", "positions", "page_ids", "page_offsets", "slot_mapping")
 
@@ -99,9 +98,9 @@ def pad(batch: Sequence[SeqChunk], size: int, scratch_page: int) -> list[SeqChun
 def why_not(runner: Runner) -> str | None:
     """Why ``runner``'s decode steps cannot be captured, or None when they can."""
     family = runner.config.model_type
-    if family not in FAMILIES:
+    if not registry.of(runner.config).cuda_graphs:
         return f"{family} reads device values back on the host in its forward"
-    if runner._rope[0] is not None:
+    if runner.model.rope[0] is not None:
         return "YaRN's RoPE tables are built on the host every step"
     return None
 
@@ -207,7 +206,7 @@ class DecodeGraphs:
         """Logits [len(batch), vocab] of a decode batch through its size's graph, or None
         (nothing run) for a batch the graphs do not take. ``batch`` is validated."""
         size = bucket(len(batch), self.sizes)
-        if size is None or self.runner.keep_hidden or not is_decode(batch):
+        if size is None or self.runner.keep_hidden or self.runner.taps or not is_decode(batch):
             return None
         if not self.inputs.fits(batch):
             return None
@@ -254,22 +253,19 @@ class DecodeGraphs:
         return self.capture_seconds
 
     def _plan(self, size: int) -> None:
-        r, c = self.runner, self.runner.config
-        self._plans[size] = r.ops.plan_decode_attention(  # type: ignore[union-attr]
-            self.inputs.tables[:size],
-            self.inputs.seq_lens[:size],
-            size,
-            c.num_attention_heads // c.num_key_value_heads,
+        pages = self.runner.pages
+        assert isinstance(pages, KvViews)
+        self._plans[size] = pages.plan_decode(
+            self.inputs.tables[:size], self.inputs.seq_lens[:size], size
         )
 
     def _body(self, size: int) -> Tensor:
         """What a graph holds: the forward of the first ``size`` static rows, every row's
         logits (float32). Mutates the KV pages the rows' slot_mapping names."""
-        r, c = self.runner, self.runner.config
+        r = self.runner
         step = self.inputs.step(size)
-        rope = r.ops.plan_rope(step.positions, c.rope_theta, c.rotary_dim)
-        step = replace(step, rope=rope, attention=self._plans[size])
-        hidden = r.model.forward(step, Caches(r._kv, [], []))
+        step = replace(step, rope=r.model.plan_rope(step), attention=self._plans[size])
+        hidden = r.model.forward(step, Caches(r.pages.layers, [], []))
         return r.model.logits(hidden)
 
 

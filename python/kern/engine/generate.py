@@ -5,19 +5,20 @@ Design notes
 ------------
 * One sequence in a Runner of its own: the prompt is prefilled in one chunk, then each step
   is one decode chunk (``rows == 1``) or one verify chunk of ``1 + drafts`` rows
-  (``rows > 1``), drafts from n-gram lookup in the context (:class:`NgramDrafter`), from a
-  draft checkpoint (``draft``, :func:`kern.engine.spec.draft_greedy`, the server's batched
-  drafting, here on pages and slots of its own: the server takes them from its pool, which
-  changes no token), or from the checkpoint's own MTP layer (``mtp``,
-  ``kern.engine.mtp.MtpSequence``: the server's catch-up after each forward, here too).
+  (``rows > 1``). The drafts come from the server's drafters (kern.engine.drafters: n-gram
+  lookup in the context, a draft checkpoint, or the checkpoint's own MTP layer), driven the
+  scheduler's way over one request (plan, run, verify, ``settle``, ``stepped``), here on
+  pages and slots of their own (``SoloMemory``: the server takes them from its pool, which
+  changes no token).
 * Verification keeps identity with ``rows == 1``: row j of a verify chunk yields the token
   plain decoding would pick at that position (same context, the sampler's draw index is the
   token's index), and drafts are accepted while they equal those tokens
-  (:func:`kern.engine.spec.accept`, the server's rule). The first mismatch
+  (:func:`kern.engine.drafters.accept`, the server's rule). The first mismatch
   is replaced by the verified token, so each step adds 1 to ``rows`` tokens. Rejected drafts'
-  K/V are overwritten when the sequence reaches their positions again; a recurrent state is
-  rewound with ``Runner.keep_rows``. Identity is bitwise wherever the backend's forward is
-  invariant to rows and chunking (the CPU backend, see docs/invariance.md).
+  K/V are overwritten when the sequence reaches their positions again; the state a verify
+  leaves (a recurrent state, a page kind's) is rewound (``Runner.rewind``, through
+  ``settle``). Identity is bitwise wherever the backend's forward is invariant to rows and
+  chunking (the CPU backend, see docs/invariance.md).
 * ``threads`` pins torch's intra-op thread count: float32 results can differ between 1 and 2
   threads (docs/invariance.md), so ``kern run`` and the server run the same count.
 """
@@ -31,15 +32,16 @@ from torch import Tensor
 
 from kern.arith import cdiv
 from kern.backend import make_ops
-from kern.checkpoint import Checkpoint
+from kern.checkpoint.load import Checkpoint
 from kern.chunk import SeqChunk
-from kern.engine.ngram import NgramDrafter
+from kern.engine.drafters import Drafter, DraftMemory, accept, settle
+from kern.engine.drafters.factory import solo_drafter
 from kern.engine.params import SamplingParams
+from kern.engine.request import Request
 from kern.engine.runner import Runner
-from kern.engine.sampler import Sampler, sample
-from kern.engine.spec import DraftState, accept, draft_greedy
+from kern.engine.sampler import sample
 
-__all__ = ["GenerateResult", "NgramDrafter", "generate"]
+__all__ = ["GenerateResult", "generate"]
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,10 @@ def generate(
     checkpoint's tensors are moved there by the runner), or through the torch reference path
     (``reference=True``, CPU float32, see ``kern.backend.ReferenceOps``), or on ``runner`` when
     given (one whose pages are the sequence's own, e.g. ``kern.engine.ranks``' ranked runner).
-    ``draft``: a draft checkpoint (checked by the caller, kern.engine.draft) drafts instead of
-    n-gram lookup, greedy, on the same backend. ``mtp``: the checkpoint's own
-    multi-token-prediction layer drafts (deepseek_v3, loaded with ``mtp=True``; checked by the
-    caller, kern.engine.mtp), greedy.
+    ``draft``: a draft checkpoint (checked by the caller, kern.engine.drafters.model) drafts
+    instead of n-gram lookup, greedy, on the same backend. ``mtp``: the checkpoint's own
+    multi-token-prediction layer drafts (loaded with ``mtp=True``; checked by the caller,
+    kern.engine.drafters.mtp), greedy.
 
     Raises ``ValueError`` for an empty prompt, ``steps < 0`` or ``rows < 1``.
     """
@@ -90,9 +92,6 @@ def generate(
         raise ValueError("steps must be >= 0 and rows >= 1")
     if threads is not None:
         torch.set_num_threads(threads)
-    params = sampling or SamplingParams()
-    probe_at = set(probe_steps or ())
-    probes: dict[int, tuple[Tensor, Tensor]] = {}
     total = len(prompt_ids) + steps + rows
     if runner is None:
         runner = Runner.with_pages(
@@ -107,82 +106,114 @@ def generate(
             f"the runner's pages hold {runner.num_pages * runner.page_tokens} "
             f"tokens; this run needs {total}"
         )
-    table = list(range(runner.num_pages))
-    out: list[int] = []
+    picker = _Picker(sampling or SamplingParams(), set(probe_steps or ()), probe_k)
     if steps == 0:
-        return GenerateResult(out, probes)
-    num_drafted = num_accepted = 0
+        return GenerateResult([], picker.probes)
+    drafter: Drafter | None = None
+    memory: DraftMemory | None = None
+    if rows > 1:
+        # Before the prefill: a drafter may keep the target's hidden rows (the MTP layer).
+        drafter, memory = solo_drafter(rows, runner, checkpoint, total, draft=draft, mtp=mtp)
+    run = _Sequence(runner, prompt_ids, steps, rows, drafter, memory, picker)
+    run.prefill()
+    while run.req.num_output < steps:
+        run.step()
+    out = run.req.tokens[len(prompt_ids) :]
+    return GenerateResult(out[:steps], picker.probes, run.num_drafted, run.num_accepted)
 
-    def pick(logits: Tensor, first: int) -> list[int]:
+
+class _Picker:
+    """Turns a forward's logits rows into tokens (the sampler's draw at each token's index)
+    and keeps the probed steps' top logits."""
+
+    def __init__(self, params: SamplingParams, probe_at: set[int], probe_k: int) -> None:
+        self.params = params
+        self.probe_at = probe_at
+        self.probe_k = probe_k
+        self.probes: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, logits: Tensor, first: int) -> list[int]:
+        """Tokens ``first, first + 1, ...`` from ``logits``' rows."""
         n = logits.shape[0]
-        toks = sample(logits, [params] * n, list(range(first, first + n)))
+        toks = sample(logits, [self.params] * n, list(range(first, first + n)))
         for j in range(n):
-            if first + j in probe_at:
-                k = min(probe_k, logits.shape[1])
+            if first + j in self.probe_at:
+                k = min(self.probe_k, logits.shape[1])
                 values, ids = torch.topk(logits[j], k)
-                probes[first + j] = (values.float().cpu(), ids.cpu())
+                self.probes[first + j] = (values.float().cpu(), ids.cpu())
         return toks
 
-    mtp_seq = None
-    if mtp and rows > 1:
-        from kern.engine.mtp import MtpSequence
+    def forget_from(self, step: int) -> None:
+        """Rows past the first mismatch of a verify saw a wrong context: their probes must
+        not count."""
+        for key in [s for s in self.probes if s >= step]:
+            del self.probes[key]
 
-        mtp_seq = MtpSequence(runner, checkpoint, total)
-    logits = runner.forward([SeqChunk(prompt_ids, 0, table, slot=0, logits="last")])
-    out.extend(pick(logits, 0))
-    if mtp_seq is not None and len(out) < steps - 1:  # the next step drafts
-        mtp_seq.stepped(prompt_ids + out, 0, len(prompt_ids))
-    drafter = NgramDrafter(prompt_ids)
-    drafter.extend(out)
-    # A draft checkpoint's runner over pages (and, stateful, slots 0 working, 1 saved) of its
-    # own, and the sequence's draft state in it.
-    model: tuple[Sampler, DraftState] | None = None
-    if draft is not None and rows > 1:
-        draft_runner = Runner.with_pages(
-            draft,
-            num_pages=cdiv(total, page_tokens),
-            page_tokens=page_tokens,
-            num_slots=2,
-            ops=runner.ops,
-        )
-        state = DraftState(table=list(range(draft_runner.num_pages)))
-        if draft_runner.stateful:
-            state.slot, state.saved = 0, 1
-        model = (Sampler(draft_runner), state)
-    pos = len(prompt_ids)  # tokens in the KV; out[-1] is not yet
-    while len(out) < steps:
-        num = min(rows - 1, steps - len(out) - 1)
-        if mtp_seq is not None:
-            drafts = mtp_seq.drafts(num)
-        elif model is None:
-            drafts = drafter.draft(num)
-        elif num > 0:
-            context = prompt_ids + out
-            state = model[1]
-            draft_greedy(model[0], [(context, state, len(context) - state.computed, num)])
-            drafts = state.drafts
-        else:
-            drafts = []
-        chunk = [out[-1], *drafts]
-        mode = "all" if rows > 1 else "last"
-        logits = runner.forward([SeqChunk(chunk, pos, table, slot=0, logits=mode)])
-        # Rows past the first mismatch saw a wrong context; their probes must not count.
-        verified = pick(logits, len(out))
+
+class _Sequence:
+    """The one request ``kern run`` decodes, the scheduler's way: its tokens, its pages (all
+    of the runner's, slot 0), and its drafter over memory of its own."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        prompt_ids: list[int],
+        steps: int,
+        rows: int,
+        drafter: Drafter | None,
+        memory: DraftMemory | None,
+        picker: _Picker,
+    ) -> None:
+        self.runner = runner
+        self.rows = rows
+        self.drafter = drafter
+        self.memory = memory
+        self.pick = picker
+        self.req = Request(list(prompt_ids), max_tokens=steps)
+        self.req.tokens = list(prompt_ids)
+        self.req.block_table = list(range(runner.num_pages))
+        self.req.slot = 0
+        self.num_drafted = self.num_accepted = 0
+
+    def prefill(self) -> None:
+        req = self.req
+        chunk = SeqChunk(req.prompt_ids, 0, req.block_table, slot=0, logits="last")
+        logits = self.runner.forward([chunk])
+        req.num_computed = len(req.prompt_ids)
+        self._append(self.pick(logits, 0))
+        self._stepped(chunk)
+
+    def step(self) -> None:
+        """One decode (or verify) step: drafts, the forward, the accepted tokens."""
+        req, drafter = self.req, self.drafter
+        drafts: list[int] = []
+        if drafter is not None and drafter.plan(req, len(req.tokens) + self.rows) is not None:
+            assert self.memory is not None and req.draft is not None
+            drafter.run([req], self.memory)
+            drafts = req.draft.drafts
+        pos = req.num_computed
+        mode = "all" if self.rows > 1 else "last"
+        chunk = SeqChunk([req.tokens[pos], *drafts], pos, req.block_table, slot=0, logits=mode)
+        logits = self.runner.forward([chunk])
+        verified = self.pick(logits, req.num_output)
         accepted = accept(drafts, verified)
-        num_drafted += len(drafts)
-        num_accepted += accepted - 1
-        for key in [s for s in probes if s >= len(out) + accepted]:
-            del probes[key]
-        if rows > 1 and runner.stateful:
-            runner.keep_rows(0, accepted)
-        if rows > 1 and runner.whole_page_hits:
-            runner.keep_positions(table, pos, accepted)
-        if model is not None and drafts:
-            model[1].accepted(accepted, model[0].runner.copy_slots)
-        new = verified[:accepted]
-        out.extend(new)
-        drafter.extend(new)
-        pos += accepted
-        if mtp_seq is not None and len(out) < steps - 1:
-            mtp_seq.stepped(prompt_ids + out, pos - accepted, pos)
-    return GenerateResult(out[:steps], probes, num_drafted, num_accepted)
+        self.num_drafted += len(drafts)
+        self.num_accepted += accepted - 1
+        self.pick.forget_from(req.num_output + accepted)
+        if drafter is not None:
+            settle(req, accepted, accepted, self.runner, drafter)
+        else:
+            req.num_computed += accepted
+        if req.draft is not None:
+            req.draft.drafts = []
+        self._append(verified[:accepted])
+        self._stepped(chunk)
+
+    def _append(self, tokens: list[int]) -> None:
+        self.req.tokens.extend(tokens)
+        self.req.num_output += len(tokens)
+
+    def _stepped(self, chunk: SeqChunk) -> None:
+        if self.drafter is not None:
+            assert self.memory is not None
+            self.drafter.stepped([chunk], [self.req], self.memory)

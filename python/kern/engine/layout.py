@@ -3,17 +3,10 @@ model's config and the backend, and read by both the cache's books and the runne
 
 Design notes
 ------------
-* A page is ``page_tokens`` positions of every attention layer, in one of two page classes,
-  in the backend's dtype, contiguous, so parking or waking a page is one row of bytes:
-  - ``kv`` (GQA): each layer's K and V per head, ``[attention layers, 2, Hk, page_tokens,
-    D]``. How K and V sit inside a page is the backend's choice (the CPU stores K
-    transposed; ``ops.kv_views``), not the layout's.
-  - ``latent`` (multi-head latent attention): each layer's one cached vector per token, the
-    normalised latent then the rotated RoPE key, ``[attention layers, page_tokens,
-    kv_lora_rank + qk_rope_head_dim]``: 576 values a token a layer at DeepSeek-V3's dims,
-    where K and V per head would be 128 x (192 + 128).
-  - ``compressed`` (DeepSeek-V4): one flat row of the parts ``kern.engine.compressed_layout``
-    lays out (window entries, compressed entries, indexer keys, pooling accumulators).
+* A page is ``page_tokens`` positions of every attention layer, in the backend's dtype,
+  contiguous, so parking or waking a page is one row of bytes. What it holds is the family's
+  page kind (``kern.models.pages``: K/V per head, a latent per token, or DeepSeek-V4's
+  compressed entries), which the registry row names: ``Layout.pages``.
 * A slot is every linear-attention layer's state: the delta-rule state first
   (``[linear layers, Hv, Dk, Dv]``, float32, as the delta rule keeps it), then the conv state
   (``[linear layers, C, K - 1]`` in the backend's dtype). Float32 first keeps both parts
@@ -28,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kern.engine.compressed_layout import CompressedPage
-from kern.model_config import ModelConfig
+from kern.models import registry
+from kern.models.config import ModelConfig
+from kern.models.pages import PageKind
 
 __all__ = ["Layout"]
 
@@ -40,8 +34,7 @@ class Layout:
 
     page_tokens: int
     dtype: torch.dtype  # K/V and conv state
-    # kv: [attention layers, 2, Hk, page_tokens, D]; latent: [attention layers, page_tokens, C]
-    page_shape: tuple[int, ...]
+    pages: PageKind  # what a page holds (its shape: page_shape)
     delta_shape: tuple[int, ...]  # [linear layers, Hv, Dk, Dv], float32; () when stateless
     conv_shape: tuple[int, ...]  # [linear layers, C, K - 1]; () when stateless
 
@@ -51,39 +44,29 @@ class Layout:
         if page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
         c = config
+        pages = registry.of(c).page_kind().of(c, dtype, page_tokens)
         num_linear = sum(c.is_linear_layer(i) for i in range(c.num_hidden_layers))
-        num_attention = c.num_hidden_layers - num_linear
-        page_shape = (num_attention, 2, c.num_key_value_heads, page_tokens, c.head_dim)
         delta_shape: tuple[int, ...] = ()
         conv_shape: tuple[int, ...] = ()
         if num_linear:
-            conv_dim = (
-                2 * c.linear_num_key_heads * c.linear_key_head_dim
-                + c.linear_num_value_heads * c.linear_value_head_dim
-            )
-            delta_shape = (
-                num_linear,
-                c.linear_num_value_heads,
-                c.linear_key_head_dim,
-                c.linear_value_head_dim,
-            )
-            conv_shape = (num_linear, conv_dim, c.linear_conv_kernel_dim - 1)
-        if c.latent_attention:
-            page_shape = (num_attention, page_tokens, c.kv_lora_rank + c.qk_rope_head_dim)
-        if c.model_type == "deepseek_v4":
-            page = CompressedPage.of(c, dtype, page_tokens)
-            page_shape = (page.nbytes // _itemsize(dtype),)
-        return cls(page_tokens, dtype, page_shape, delta_shape, conv_shape)
+            d = c.delta
+            assert d is not None
+            delta_shape = (num_linear, d.num_value_heads, d.key_head_dim, d.value_head_dim)
+            conv_shape = (num_linear, d.conv_dim, d.conv_kernel_dim - 1)
+        return cls(page_tokens, dtype, pages, delta_shape, conv_shape)
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        return self.pages.page_shape
 
     @property
     def page_class(self) -> str:
-        """``kv`` (K and V per head), ``latent`` (one latent vector per token) or
-        ``compressed`` (DeepSeek-V4's parts, ``kern.engine.compressed_layout``)."""
-        return {1: "compressed", 3: "latent"}.get(len(self.page_shape), "kv")
+        """The page kind's name: ``kv``, ``latent``, ``compressed`` (kern.models.pages)."""
+        return self.pages.name
 
     @property
     def num_attention_layers(self) -> int:
-        return 0 if self.page_class == "compressed" else self.page_shape[0]
+        return self.pages.num_attention_layers
 
     @property
     def num_linear_layers(self) -> int:

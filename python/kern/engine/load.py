@@ -10,18 +10,16 @@ Design notes
   ``num_chunks * chunk_bytes``, within one chunk of ``pool_bytes``; one host arena likewise
   for ``host_bytes``). Nothing is sized twice, so nothing has to be checked against itself.
 * Everything here runs on the thread that will run the scheduler (``start_scheduler``): the
-  model is loaded where it will be used (see ``kern.engine.scheduler.start_scheduler``).
+  model is loaded where it will be used (see ``kern.engine.thread.start_scheduler``).
 * ``ops`` is the backend; a caller may pass its own (the reference path, or a failing one in
   the crash test) instead of threading flags through the layers.
-* A draft checkpoint (``draft = "path"``, kern.engine.draft) is loaded here too, checked
-  first (``check_draft_target``: the same tokenizer, KV that fits the target's page), and its
-  runner views the target runner's arena (``Runner.draft_runner``): no budget of its own, its
+* The drafter (``kern.engine.drafters``, chosen once by ``factory.drafting`` from the
+  target's ``draft`` key) is checked first and sized into the pool before anything loads,
+  and loaded here beside the target: a draft checkpoint (the same tokenizer, KV that fits
+  the target's page) or the target's MTP layer (its checkpoint read with it), each run by a
+  runner over the target runner's arena (``Runner.over_arena``): no budget of its own, its
   pages (and, for a stateful draft, its slots: the pool's slots are sized for the larger
   state) are the pool's, taken per request by the scheduler.
-* ``draft = "mtp"`` (kern.engine.mtp): the target's checkpoint is loaded with its
-  multi-token-prediction layer, checked first (``check_mtp_target``), and the MTP's runner
-  views the target runner's arena as a draft's does (one latent layer a page, pool pages
-  taken per request); its scheduler has the runner keep its hidden states.
 * The cache's books are built before the weights are read when the budgets are known (a
   budget too small for one page is then an error at once, naming its key or flag); the CUDA
   default budget depends on the memory free after loading, so that one waits for the weights.
@@ -41,12 +39,13 @@ from typing import Any
 import torch
 
 from kern.backend import Ops, make_ops
-from kern.checkpoint import Checkpoint, load_checkpoint
+from kern.checkpoint.config import load_config
+from kern.checkpoint.load import Checkpoint, load_checkpoint
 from kern.engine.arena import Placement
 from kern.engine.budgets import check_budgets
-from kern.engine.draft import check_draft_target, draft_layout
+from kern.engine.drafters import Drafter, Drafting
+from kern.engine.drafters.factory import drafting
 from kern.engine.layout import Layout
-from kern.engine.mtp import MtpDrafts, MtpRunner, check_mtp_target, mtp_layout
 from kern.engine.ranks.launch import Ranks, rank_device
 from kern.engine.ranks.runner import RankedRunner
 from kern.engine.ranks.shard import Shard
@@ -54,11 +53,9 @@ from kern.engine.request import Event, Request
 from kern.engine.runner import Runner
 from kern.engine.sampler import Sampler
 from kern.engine.scheduler import Scheduler
-from kern.engine.spec import Drafter, ModelDrafts, NgramDrafts
 from kern.errors import UsageError
 from kern.kern_toml import Target
 from kern.metrics import Metrics
-from kern.model_config import load_config
 from kern.pool import BudgetTooSmall, Cache
 
 __all__ = ["CUDA_FREE_SHARE", "DEFAULT_POOL_BYTES", "Engine"]
@@ -81,10 +78,8 @@ class Engine:
     cache: Cache
     # A ranked target's runner broadcasts each call to its other ranks (kern.engine.ranks).
     runner: Runner | RankedRunner
-    # The draft checkpoint's runner over the same pool pages, when the target names one.
-    draft: Runner | None = None
-    # The checkpoint's MTP layer over the same pool pages, with draft = "mtp".
-    mtp: MtpRunner | None = None
+    # What drafts at rows above 1 (kern.engine.drafters), loaded over the same pool pages.
+    drafting: Drafting
 
     @classmethod
     def load(cls, target: Target, *, ops: Ops | None = None) -> Engine:
@@ -95,12 +90,10 @@ class Engine:
         budgets are per rank (every rank's arena is that size)."""
         # Before anything is read or allocated: a budget the machine cannot give is one line.
         check_budgets(target)
-        if target.draft_checkpoint is not None:
-            # As kern.engine.targets.check_target checks before load: the tests and the benchmarks
-            # build engines without it.
-            check_draft_target(target, load_config(target.checkpoint))
-        if target.draft == "mtp":
-            check_mtp_target(target, load_config(target.checkpoint))
+        drafts = drafting(target)
+        # As kern.engine.targets.check_target checks before load: the tests and the benchmarks
+        # build engines without it.
+        drafts.check(target)
         if target.ranks > 1:
             if ops is not None:
                 raise ValueError("a ranked target builds its backend on every rank; pass no ops")
@@ -115,34 +108,15 @@ class Engine:
             ops = ops or make_ops(target.device)
             config = load_config(target.checkpoint)
         layout = Layout.of(config, ops.dtype, target.page_tokens)
-        draft_lay = None
-        if target.draft_checkpoint is not None:
-            draft_lay = draft_layout(
-                load_config(target.draft_checkpoint),
-                ops.dtype,
-                layout.page_bytes,
-                target.page_tokens,
-                target.where("draft"),
-            )
-        mtp_lay = None
-        if target.draft == "mtp":
-            mtp_lay = mtp_layout(
-                config,
-                ops.dtype,
-                layout.page_bytes,
-                target.page_tokens,
-                target.where("draft"),
-                any_stride=not ops.is_cpu,
-            )
         # A stateful draft's slots come from the same pool: slots fit either model's state.
-        state_bytes = max(layout.state_bytes, 0 if draft_lay is None else draft_lay.state_bytes)
+        state_bytes = max(layout.state_bytes, drafts.prepare(config, layout, ops, target))
         cache = None
         if target.pool_bytes is not None:
             cache = _cache(target, layout, target.pool_bytes, state_bytes)
         ranks = Ranks.start(target) if target.ranks > 1 else None
         if ranks is None:
             ckpt = load_checkpoint(
-                target.checkpoint, device=ops.device, dtype=ops.dtype, mtp=mtp_lay is not None
+                target.checkpoint, device=ops.device, dtype=ops.dtype, mtp=drafts.reads_mtp
             )
         else:
             ckpt = ranks.load()
@@ -155,18 +129,8 @@ class Engine:
             runner = Runner(ckpt, ops, layout, placement, host)
         else:
             runner = ranks.runner(ckpt, layout, placement, host)
-        draft = None
-        if target.draft_checkpoint is not None:
-            assert draft_lay is not None and isinstance(runner, Runner)
-            draft_ckpt = load_checkpoint(
-                target.draft_checkpoint, device=ops.device, dtype=ops.dtype
-            )
-            draft = runner.draft_runner(draft_ckpt, draft_lay)
-        mtp = None
-        if mtp_lay is not None:
-            assert isinstance(runner, Runner)
-            mtp = MtpRunner.over_pool(runner, ckpt, mtp_lay)
-        return cls(target, ckpt, layout, cache, runner, draft, mtp)
+        drafts.load(runner, ckpt)
+        return cls(target, ckpt, layout, cache, runner, drafts)
 
     def scheduler(
         self,
@@ -180,8 +144,8 @@ class Engine:
     ) -> Scheduler:
         """A scheduler over this engine's runner and cache (``limits``: ``max_step_tokens``,
         ``max_running``); ``rows`` (default: the target's ``decode_rows``) above 1 verifies
-        drafts from the draft checkpoint when the target names one, from its MTP layer with
-        ``draft = "mtp"``, else n-gram drafts.
+        drafts from the engine's drafter (a draft checkpoint when the target names one, its
+        MTP layer with ``draft = "mtp"``, else n-gram drafts).
         ``max_model_len`` (default: the model's ``max_position_embeddings``) bounds a
         request's prompt and answer together."""
         rows = self.target.decode_rows if rows is None else rows
@@ -189,14 +153,9 @@ class Engine:
             raise ValueError(f"rows must be >= 1, got {rows}")
         drafter: Drafter | None = None
         if isinstance(self.runner, Runner):
-            self.runner.keep_hidden = False  # on again for an MTP drafter only
-        if rows > 1 and self.mtp is not None:
-            assert isinstance(self.runner, Runner)
-            drafter = MtpDrafts(rows, self.mtp, self.runner)
-        elif rows > 1:
-            drafter = (
-                NgramDrafts(rows) if self.draft is None else ModelDrafts(rows, Sampler(self.draft))
-            )
+            self.runner.keep_hidden = False  # on again for a drafter that reads it only
+        if rows > 1:
+            drafter = self.drafting.drafter(rows, self.runner)
         return Scheduler(
             Sampler(self.runner),
             self.cache,

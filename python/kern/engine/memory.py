@@ -7,9 +7,9 @@ Design notes
 * Admission takes a prefix hit from ``Cache.match``, capped one token short of the prompt
   (recompute the last token for logits), its node locked while the request runs; a parked
   hit is woken and its plan landed first; a hit ending mid-page has its shared page copied
-  before anything is written past it (on DeepSeek-V4's pages, where a page holds the
-  pooling state of its last written token, only where that is the hit's last token:
-  ``Mover.state_end``). On a stateful model (qwen3_5) a hit is usable only
+  before anything is written past it. Which hits are exact is the page kind's rule
+  (``kern.models.pages.Pages``: pages that hold a state at their last token, DeepSeek-V4's,
+  only where that is the hit's last token). On a stateful model (qwen3_5) a hit is usable only
   where a state snapshot sits, and the snapshot is copied into the request's own slot.
 * A hit is worth taking only if it fits: one ending mid-page keeps its locked page *and*
   needs a copy of it, one page more than the same prompt without the hit, so when the pages
@@ -50,17 +50,26 @@ from kern.engine.request import Request
 from kern.metrics import Metrics
 from kern.pool import Cache, CopyPlan, Evicted, Match, PoolFull, Room, Stats, ids, u32
 
-__all__ = ["Memory", "Mover"]
+__all__ = ["HitRule", "Memory", "Mover"]
+
+
+class HitRule(Protocol):
+    """What memory asks of the runner's page kind (``kern.models.pages.Pages``): which prefix
+    hits a sequence may resume at."""
+
+    prompt_snapshots: bool
+
+    def hit_key(self, tokens: Sequence[int]) -> Sequence[int]: ...
+    def exact_hit(self, match: Match, hit: int) -> int: ...
 
 
 class Mover(Protocol):
     """What memory asks of the runner (``kern.engine.runner.Runner``): the copies that land
-    the cache's plans and the copy-on-write of pages and slots."""
+    the cache's plans and the copy-on-write of pages and slots, and its page kind's rules."""
 
     stateful: bool
-    whole_page_hits: bool
+    pages: HitRule
 
-    def state_end(self, page: int) -> int: ...
     def park(self, plans: Sequence[CopyPlan]) -> None: ...
     def wake(self, plan: CopyPlan) -> None: ...
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
@@ -81,7 +90,7 @@ class Memory:
         self.running = running
         self.page_tokens = cache.page_tokens
         self.stateful = runner.stateful
-        self.whole_page_hits = runner.whole_page_hits
+        self.hits = runner.pages
         # Every page the pool can give to requests (a stateful pool keeps its first slots).
         self.max_pages = cache.pages_free
         host = cache.host
@@ -197,23 +206,13 @@ class Memory:
         return True
 
     def _lookup(self, req: Request) -> Sequence[int]:
-        """The key admission matches: the request's tokens, or on compressed pages all but the
-        last (a match ending at a node's end returns that node's pages, a prompt-end
-        snapshot's own copy, and not a longer path's page of a later state)."""
-        return req.tokens[: len(req.tokens) - 1] if self.whole_page_hits else req.tokens
+        """The key admission matches (the page kind's: the request's tokens, or all but the
+        last on pages that hold a state at their last token)."""
+        return self.hits.hit_key(req.tokens)
 
     def _exact(self, m: Match, hit: int) -> int:
-        """On pages that hold a pooling state after their last written token (DeepSeek-V4's),
-        the longest part of ``hit`` whose last page holds the state of the hit's last token:
-        the hit itself (a prompt-end snapshot, a request's last page), else its last page end.
-        A parked part is checked once it is woken."""
-        if not self.whole_page_hits or hit == 0 or hit > m.resident_len:
-            return hit
-        pt, pages = self.page_tokens, self.pages(m)
-        for end in (hit, hit - hit % pt):
-            if end and self.runner.state_end(pages[(end - 1) // pt]) == end - 1:
-                return end
-        return 0
+        """The longest part of ``hit`` a sequence may resume at, by the page kind's rule."""
+        return self.hits.exact_hit(m, hit)
 
     def _usable_hit(self, m: Match, cap: int) -> int:
         if not self.stateful:
@@ -347,11 +346,7 @@ class Memory:
     def drop_drafts(self) -> bool:
         """Free every running request's draft pages (their drafts start over from the whole
         context): target pages come first. True if any were held."""
-        held = [
-            r
-            for r in self.running
-            if r.draft is not None and (r.draft.table or r.draft.slot is not None)
-        ]
+        held = [r for r in self.running if r.draft is not None and r.draft.holds_memory()]
         for r in held:
             self.free_draft(r)
         return bool(held)
@@ -396,7 +391,7 @@ class Memory:
     def prompt_snapshot_at(self, req: Request) -> int | None:
         """Where ``req``'s prompt-end snapshot goes (see the design notes), if it still needs
         one: one token short of the prompt, past its hit, before its first output."""
-        if not (self.stateful or self.whole_page_hits) or req.prompt_snapshot_done:
+        if not (self.stateful or self.hits.prompt_snapshots) or req.prompt_snapshot_done:
             return None
         if req.num_output:
             return None
@@ -413,7 +408,7 @@ class Memory:
         req.prompt_snapshot_done = True
         cache, pt, n = self.cache, self.page_tokens, req.num_computed
         full = n // pt
-        # Compressed pages (DeepSeek-V4) carry their state: the page copy is the snapshot.
+        # Pages that carry a state (Pages.prompt_snapshots): the page copy is the snapshot.
         slot = self.take_slot() if self.stateful else None
         if self.stateful and slot is None:
             return

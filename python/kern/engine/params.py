@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kern.engine.sampler import TokenLog
+    from kern.engine.token_log import TokenLog
 
 __all__ = ["GREEDY", "Context", "LogprobEntry", "Pick", "SamplingParams"]
 

@@ -1,5 +1,6 @@
 """What the app submits to the engine: a :class:`Request`, the :data:`Event` stream it gets
-back, and the :class:`LimitError` a request that can never fit is refused with.
+back, and the :class:`LimitError` a request that can never fit is refused with; and the
+:class:`DraftState` speculation keeps on it.
 
 Torch-free: the app and the scheduler share these values, and none of them holds a tensor.
 """
@@ -8,14 +9,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kern.engine.params import Context, LogprobEntry, Pick, SamplingParams
 
-if TYPE_CHECKING:
-    from kern.engine.spec import DraftState
-
-__all__ = ["Event", "LimitError", "Request"]
+__all__ = ["DraftState", "Event", "LimitError", "Request"]
 
 log = logging.getLogger("kern")
 
@@ -29,6 +27,26 @@ class LimitError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(eq=False, slots=True)
+class DraftState:
+    """One request's speculation, the part the scheduler and memory read: the drafts its
+    next verify checks, and the pool memory its drafter holds for it (``table``: pages of the
+    drafter's page size, ``computed`` of its tokens in them; a stateful draft's working
+    ``slot`` and the ``saved`` state at the last accepted token). Private to the request,
+    never in the prefix tree. A drafter keeps what else it needs in a subclass
+    (kern.engine.drafters)."""
+
+    drafts: list[int] = field(default_factory=list)
+    table: list[int] = field(default_factory=list)
+    computed: int = 0
+    slot: int | None = None
+    saved: int | None = None
+
+    def holds_memory(self) -> bool:
+        """Whether it holds pool pages or slots."""
+        return bool(self.table) or self.slot is not None
 
 
 # weakref_slot: the runner side keys the request's token log weakly on it (kern.engine.sampler).
@@ -71,8 +89,8 @@ class Request:
     order: int = 0
     # The prompt-end snapshot (stateful models) is taken or not needed.
     prompt_snapshot_done: bool = False
-    # Speculative decoding's state for this request (kern.engine.spec), made at its first
-    # decode step when the scheduler has a drafter; None otherwise.
+    # Speculative decoding's state for this request (its drafter's, kern.engine.drafters),
+    # made at its first decode step when the scheduler has a drafter; None otherwise.
     draft: DraftState | None = None
     # perf_counter() seconds: submitted, first admitted, first and latest token (0: not yet).
     t_submit: float = 0.0
@@ -83,7 +101,7 @@ class Request:
     def pick(self, drafts: list[int], eos: frozenset[int]) -> Pick:
         """How the logits row of the next token after ``drafts`` (a verify row's: the drafts
         before it, as if accepted) becomes a token: as plain decoding draws it at that
-        position (kern.engine.spec). ``eos``: the model's end-of-sequence ids."""
+        position (kern.engine.drafters). ``eos``: the model's end-of-sequence ids."""
         context = self._context(drafts, eos)
         # A row behind drafts sees a new list, converted whole; otherwise the runner side
         # keeps this request's token log across steps.

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from kern.chunk import SeqChunk
 from kern.engine.params import GREEDY, Context, LogprobEntry, Pick, SamplingParams
+from kern.engine.token_log import TokenLog
 
 if TYPE_CHECKING:
     from kern.engine.runner import Runner
@@ -95,34 +96,6 @@ class Sampler:
         logits = self.runner.forward(batch)
         n = logits.shape[0]
         return sample(logits, [GREEDY] * n, [0] * n) if n else []
-
-
-class TokenLog:
-    """A request's tokens as an int64 tensor that grows with them: each step converts only
-    the tokens appended since the last. Owned by the request; ``tokens`` lists only grow (a
-    new list, a shorter one or a changed last token starts over)."""
-
-    def __init__(self) -> None:
-        self._buf = torch.zeros(0, dtype=torch.long)
-        self._n = 0
-        self._last = -1  # tokens[n - 1] when last seen
-        self._source: list[int] | None = None
-
-    def view(self, tokens: list[int]) -> Tensor:
-        n, size = self._n, len(tokens)
-        if tokens is not self._source or size < n or (n and tokens[n - 1] != self._last):
-            self._source, n = tokens, 0
-        if size > self._buf.shape[0]:
-            grown = torch.zeros(max(2 * self._buf.shape[0], size, 64), dtype=torch.long)
-            grown[:n] = self._buf[:n]
-            self._buf = grown
-        if size == n + 1:
-            self._buf[n] = tokens[n]
-        elif size > n:
-            self._buf[n:size] = torch.as_tensor(tokens[n:], dtype=torch.long)
-        self._n = size
-        self._last = tokens[size - 1] if size else -1
-        return self._buf[:size]
 
 
 # Requests share their banned sets and biases (the same stop ids, the same client settings):

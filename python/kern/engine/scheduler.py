@@ -1,7 +1,7 @@
 """The scheduler: one thread that runs every request through the runner, one step at a time:
 the inbox, admission, chunk planning, preemption and finish. It handles ints and handles only
 (no tensor, no torch): the runner side samples (kern.engine.sampler.Sampler), the cache is
-reached through kern.engine.memory, drafts through kern.engine.spec.
+reached through kern.engine.memory, drafts through kern.engine.drafters.
 
 Design notes
 ------------
@@ -32,7 +32,6 @@ Design notes
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import traceback
@@ -41,10 +40,10 @@ from typing import TYPE_CHECKING
 
 from kern.arith import cdiv
 from kern.chunk import SeqChunk
+from kern.engine.drafters import Drafter, accept, settle
 from kern.engine.memory import Memory
-from kern.engine.params import Pick
+from kern.engine.params import LogprobEntry, Pick
 from kern.engine.request import Event, LimitError, Request
-from kern.engine.spec import Drafter, accept, settle
 from kern.engine.waiting import Waiting
 from kern.metrics import Metrics
 
@@ -52,7 +51,7 @@ if TYPE_CHECKING:
     from kern.engine.sampler import Sampler
     from kern.pool import Cache
 
-__all__ = ["Scheduler", "start_scheduler"]
+__all__ = ["Scheduler"]
 
 log = logging.getLogger("kern")
 
@@ -86,7 +85,7 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.max_step_tokens = max_step_tokens
         self.max_running = max_running
-        # Where a decode step's drafts come from (kern.engine.spec), or None: one row.
+        # Where a decode step's drafts come from (kern.engine.drafters), or None: one row.
         self.drafter = drafter
         self.on_crash = on_crash
         self.stateful = self.runner.stateful
@@ -263,6 +262,40 @@ class Scheduler:
     # --- the forward ----------------------------------------------------------------------
 
     def _forward(self, events: list[tuple[Request, Event]]) -> None:
+        """One step's three phases: plan the batch (drafts included), run it, and settle
+        every row that yields tokens."""
+        plan = self._plan()
+        if not plan:
+            return
+        batch, picks = self._batch(plan)
+        # The forward and the choice of every logits row, on the runner side: ids back.
+        picked = self.sampler.forward(batch, picks)
+        # Requests that get tokens: (request, its first logits row, its number of rows).
+        rows: list[tuple[Request, int, int]] = []
+        first = 0
+        for req, k in plan:
+            if _drafts(req):
+                rows.append((req, first, k))
+                first += k
+                continue  # num_computed moves once the drafts are judged
+            if req.num_computed + k == len(req.tokens):
+                rows.append((req, first, 1))
+                first += 1
+            req.num_computed += k
+            if k > 1 and not self.stateful:
+                self.memory.share_prefill(req)
+            if req.num_computed == self.memory.prompt_snapshot_at(req):
+                self.memory.prompt_snapshot(req)
+        now = time.perf_counter()
+        for req, start, n in rows:
+            self._emit(req, [picked[i] for i in range(start, start + n)], now, events)
+        if self.drafter is not None:
+            self.drafter.stepped(batch, [r for r, _ in plan], self.memory)
+
+    def _plan(self) -> list[tuple[Request, int]]:
+        """Each running request's next chunk length under the step's budget (decode rows
+        first, then prefill chunks), growing their pages, and the drafts of those that
+        draft."""
         budget = self.max_step_tokens
         pt = self.pt
         drafter = self.drafter
@@ -305,8 +338,10 @@ class Scheduler:
             assert drafter is not None
             drafter.run([r for r in wants if r.block_table], self.memory)
             plan = [(r, 1 + len(_drafts(r)) if r in wants else k) for r, k in plan]
-        if not plan:
-            return
+        return plan
+
+    def _batch(self, plan: list[tuple[Request, int]]) -> tuple[list[SeqChunk], list[Pick]]:
+        """The step's chunks and how each logits row becomes a token."""
         batch = []
         picks: list[Pick] = []
         for req, k in plan:
@@ -330,66 +365,56 @@ class Scheduler:
             )
             if done:
                 picks.append(req.pick([], self.eos))
-        # The forward and the choice of every logits row, on the runner side: ids back.
-        picked = self.sampler.forward(batch, picks)
-        # Requests that get tokens: (request, its first logits row, its number of rows).
-        rows: list[tuple[Request, int, int]] = []
-        first = 0
-        for req, k in plan:
-            if _drafts(req):
-                rows.append((req, first, k))
-                first += k
-                continue  # num_computed moves once the drafts are judged
-            if req.num_computed + k == len(req.tokens):
-                rows.append((req, first, 1))
-                first += 1
-            req.num_computed += k
-            if k > 1 and not self.stateful:
-                self.memory.share_prefill(req)
-            if req.num_computed == self.memory.prompt_snapshot_at(req):
-                self.memory.prompt_snapshot(req)
-        now = time.perf_counter()
+        return batch, picks
+
+    def _emit(
+        self,
+        req: Request,
+        picked: list[tuple[int, LogprobEntry | None]],
+        now: float,
+        events: list[tuple[Request, Event]],
+    ) -> None:
+        """``req``'s rows' tokens (one, or a verify's): judge its drafts, send the tokens up
+        to a stop, settle the verify, count, and finish it if it stopped."""
         m = self.metrics
-        for req, start, n in rows:
-            verified = [tok for tok, _ in picked[start : start + n]]
-            accepted = accept(_drafts(req), verified)
-            if n > 1:
-                m.spec_drafts.inc()
-                m.spec_draft_tokens.inc(n - 1)
-                m.spec_accepted_tokens.inc(accepted - 1)
-            reason = None
-            sent = 0
-            for j, tok in enumerate(verified[:accepted]):
-                reason = req.append(tok, self.eos)
-                sent += 1
-                events.append((req, (tok, picked[start + j][1], None)))
-                if reason is not None:
-                    break  # tokens accepted past a stop are never sent
-            if reason is not None and sent < accepted:
-                log.debug(
-                    "%d accepted tokens after a %r finish not sent; state rewound to the last "
-                    "token sent",
-                    accepted - sent,
-                    reason,
-                )
-            if n > 1:
-                assert drafter is not None
-                settle(req, sent, accepted, self.runner, drafter)
-            if req.draft is not None:
-                req.draft.drafts = []
-            m.generation_tokens.inc(sent)
-            if req.num_output == sent:
-                req.t_first = now
-                m.ttft.observe(now - req.t_submit)
-                m.prefill_time.observe(now - req.t_admit)
-            else:
-                m.itl.observe(now - req.t_last)
-            req.t_last = now
+        n = len(picked)
+        verified = [tok for tok, _ in picked]
+        accepted = accept(_drafts(req), verified)
+        if n > 1:
+            m.spec_drafts.inc()
+            m.spec_draft_tokens.inc(n - 1)
+            m.spec_accepted_tokens.inc(accepted - 1)
+        reason = None
+        sent = 0
+        for j, tok in enumerate(verified[:accepted]):
+            reason = req.append(tok, self.eos)
+            sent += 1
+            events.append((req, (tok, picked[j][1], None)))
             if reason is not None:
-                self._running.remove(req)
-                self._finish(req, reason, events)
-        if drafter is not None:
-            drafter.stepped(batch, [r for r, _ in plan], self.memory)
+                break  # tokens accepted past a stop are never sent
+        if reason is not None and sent < accepted:
+            log.debug(
+                "%d accepted tokens after a %r finish not sent; state rewound to the last "
+                "token sent",
+                accepted - sent,
+                reason,
+            )
+        if n > 1:
+            assert self.drafter is not None
+            settle(req, sent, accepted, self.runner, self.drafter)
+        if req.draft is not None:
+            req.draft.drafts = []
+        m.generation_tokens.inc(sent)
+        if req.num_output == sent:
+            req.t_first = now
+            m.ttft.observe(now - req.t_submit)
+            m.prefill_time.observe(now - req.t_admit)
+        else:
+            m.itl.observe(now - req.t_last)
+        req.t_last = now
+        if reason is not None:
+            self._running.remove(req)
+            self._finish(req, reason, events)
 
     def _grow(self, req: Request, k: int) -> bool:
         """Pages for ``req``'s next ``k`` tokens, preempting the youngest running requests
@@ -410,36 +435,6 @@ class Scheduler:
         self.memory.release(req, snapshot=True)
         self._waiting.add(req, behind=False)
         self.metrics.preemptions.inc()
-
-
-def start_scheduler(make: Callable[[], Scheduler]) -> Scheduler:
-    """Call ``make`` (load the checkpoint, build the runner, cache and scheduler) on a new
-    thread, run the scheduler's loop there, and return the scheduler once built (``make``'s
-    exception, if it raised).
-
-    Why one thread for every torch op of the process: libgomp keeps a worker pool per thread
-    that starts parallel regions, and with two such pools on 2 cores it stops spinning and
-    wakes its workers by futex for every op. Measured at 2 threads: an add of 64 x 3072 took
-    17 us from one thread and 86 us once another had run torch ops; a batch-64 decode step of
-    the ~30M bench model, 44 ms when loaded and run on one thread, 118 ms when loaded on
-    another.
-    """
-    built: queue.Queue[Scheduler | BaseException] = queue.Queue(maxsize=1)
-
-    def main() -> None:
-        try:
-            sched = make()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller, re-raised there
-            built.put(e)
-            return
-        built.put(sched)
-        sched.run()
-
-    threading.Thread(target=main, name="kern-scheduler", daemon=True).start()
-    got = built.get()
-    if isinstance(got, BaseException):
-        raise got
-    return got
 
 
 def _decode_first(req: Request) -> tuple[int, int]:

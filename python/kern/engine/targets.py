@@ -13,11 +13,12 @@ Design notes
   key, or the flag.
 * A key kern does not implement for the command is refused, never ignored: ``ranks`` above 1
   for a model ``parallel`` does not split (kern.engine.ranks.shard) or on too few CUDA devices,
-  and a draft checkpoint kern cannot run beside the target (kern.engine.draft: another tokenizer or
-  vocabulary, KV that does not fit the target's page, ranks above 1), and ``draft = "mtp"``
-  where the checkpoint has no multi-token-prediction layer kern reads (kern.engine.mtp: not
-  deepseek_v3, none in config.json, ranks above 1). ``draft = "ngram"`` (the default at
-  rows > 1), ``"mtp"`` or a draft checkpoint is the drafter ``kern run``, ``kern test`` and
+  and a draft checkpoint kern cannot run beside the target (kern.engine.drafters.model:
+  another tokenizer or vocabulary, KV that does not fit the target's page, ranks above 1),
+  and ``draft = "mtp"`` where the checkpoint has no multi-token-prediction layer kern reads
+  (kern.engine.drafters.mtp: a family without one, none in config.json, ranks above 1).
+  ``draft = "ngram"`` (the default at rows > 1), ``"mtp"`` or a draft checkpoint is the
+  drafter ``kern run``, ``kern test`` and
   ``kern serve`` use; ``--draft`` sets it on the command line (a folder relative to the
   working directory), and a draft with no row shape above 1 is refused, as in a kern.toml.
 * ``--rows R`` (``kern run``, ``kern serve``; ``KERN_ROWS`` under hypercorn) picks one of a
@@ -39,9 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kern.checkpoint.config import load_config
+from kern.checkpoint.errors import MissingFileError
 from kern.errors import UsageError
 from kern.kern_toml import DRAFTERS, Target, default_dtype, load_toml_config
-from kern.model_config import MissingFileError, ModelConfig, load_config
+from kern.models import registry
+from kern.models.config import ModelConfig
 
 __all__ = [
     "FLAGS",
@@ -138,7 +142,7 @@ def resolve_target(
             checkpoint = Path(model)
             origin = {"checkpoint": f"--model {model}"}
         else:
-            from kern.tiny import default_model_path
+            from kern.assets import default_model_path
 
             checkpoint = Path(default_model_path())
             origin = {"checkpoint": "the embedded model"}
@@ -208,34 +212,20 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     if not target.checkpoint.is_dir():
         raise MissingFileError(f"{target.checkpoint}: no such checkpoint folder")
     config = load_config(target.checkpoint)
-    if config.model_type == "deepseek_v4":
-        import torch
-
-        from kern.engine.compressed_layout import CompressedPage
-
-        try:  # pages must hold whole compression windows (or whole pages a window)
-            CompressedPage.of(config, torch.float32, target.page_tokens)
-        except ValueError as e:
-            fits = CompressedPage.fitting_page_tokens(config)
-            raise UsageError(
-                f"{target.where('page_tokens')}: {e}; this checkpoint's compress_rates "
-                f"{list(config.compress_rates)} fit page_tokens {fits} (kern serve "
-                f"--page-tokens {fits}, or page_tokens = {fits} in a kern.toml target)"
-            ) from None
+    # A page kind may need page_tokens to fit its model (whole compression windows a page).
+    unfit = registry.of(config).page_kind().fit(config, target.page_tokens)
+    if unfit is not None:
+        raise UsageError(f"{target.where('page_tokens')}: {unfit}")
     if target.draft is not None and target.widest_rows < 2:
         raise UsageError(
             f"{target.where('draft')}: draft = {target.draft!r} drafts nothing at rows "
             f"{list(target.rows)} (a step at rows R verifies R - 1 drafts): declare a row shape "
             "above 1 (--rows R, or rows = [1, 4] in a kern.toml)"
         )
-    if target.draft_checkpoint is not None:
-        from kern.engine.draft import check_draft_target
+    if target.draft is not None:
+        from kern.engine.drafters.factory import drafting
 
-        check_draft_target(target, config)
-    if target.draft == "mtp":
-        from kern.engine.mtp import check_mtp_target
-
-        check_mtp_target(target, config)
+        drafting(target).check(target, config)
     if target.ranks != 1:
         from kern.engine.ranks.shard import Shard, ShardError
 

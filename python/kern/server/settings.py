@@ -19,7 +19,7 @@ from kern.kern_toml import (
     grammar_timeout,
     parse_bytes,
 )
-from kern.model_config import ModelConfig
+from kern.models.config import ModelConfig
 from kern.server import logs
 from kern.server.cors import parse_origins
 from kern.tokenizer import ChatTemplateError, Tokenizer, compile_chat_template

@@ -30,9 +30,9 @@ import sys
 import traceback
 from typing import NoReturn
 
+from kern.checkpoint.errors import CheckpointError
 from kern.errors import UsageError
 from kern.kern_toml import TomlConfigError
-from kern.model_config import CheckpointError
 
 __all__ = ["USAGE_EXIT_CODE", "exit_failed_start"]
 

@@ -22,10 +22,12 @@ Design notes
   offset wrong is caught. Qwen3.5's decay parameters keep the recurrent state alive for a few
   tokens (A in [0.05, 1]), so a runner that drops or mixes up states is caught too.
 * The tokenizer's notes are in ``kern.tiny.tokenizer``; the weights' and the folder's in
-  ``kern.tiny.model``.
+  ``kern.tiny.model``; each family's sizes and config.json in its tiny writer
+  (``kern.models.<family>.tiny``).
 """
 
-from kern.tiny.model import DEFAULT_MODEL_ARGS, default_model_path, make_tiny
+from kern.assets import default_model_path
+from kern.tiny.model import DEFAULT_MODEL_ARGS, make_tiny
 from kern.tiny.tokenizer import SPECIAL_TOKENS
 
 __all__ = ["DEFAULT_MODEL_ARGS", "SPECIAL_TOKENS", "default_model_path", "make_tiny"]

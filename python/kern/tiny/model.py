@@ -1,43 +1,36 @@
 """A tiny random-weight checkpoint folder: config.json, weights, generation config and the
-tokenizer's files (``kern.tiny.tokenizer``), written bit-identically from the arguments.
+tokenizer's files (``kern.tiny.tokenizer``), written bit-identically from the arguments. What
+a family adds (its sizes, its config.json fields, a quantised format) is its tiny writer,
+``kern.models.<family>.tiny``, named by its registry row.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
 import json
 import math
 import shutil
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from kern.checkpoint import expected_shapes, mtp_shapes, parse_dtype
-from kern.deepseek_v4_tensors import released_v4_name
-from kern.model_config import FAMILIES, ModelConfig, parse_config
-from kern.tensor_names import stored_name
-from kern.tiny.config import DEFAULTS, FP8_BLOCK
+from kern.checkpoint.config import parse_config
+from kern.checkpoint.load import parse_dtype
+from kern.checkpoint.names import expected_shapes, mtp_shapes, stored_name
+from kern.models import registry
+from kern.models.config import ModelConfig
+from kern.tiny.config import FP8_BLOCK
 from kern.tiny.config import config_json as tiny_config_json
-from kern.tiny.quantize import quantize_v4
 from kern.tiny.tokenizer import build_tokenizer, tokenizer_config, write_tiktoken_tokenizer
+
+__all__ = ["DEFAULT_MODEL_ARGS", "make_tiny"]
 
 # The embedded default model (python/kern/assets/tiny-qwen3) is make_tiny("qwen3", DIR,
 # **DEFAULT_MODEL_ARGS); tests/test_tiny.py regenerates it and compares bytes.
 DEFAULT_MODEL_ARGS: dict[str, Any] = {"seed": 0}
-
-
-def default_model_path() -> Path:
-    """The tiny qwen3 checkpoint shipped inside the package (``kern serve`` with no model)."""
-    path = importlib.resources.files("kern").joinpath("assets", "tiny-qwen3")
-    if not isinstance(path, Path):
-        # A zipped install: kern loads weights with mmap and needs real files.
-        raise RuntimeError(f"the embedded model is not on the filesystem ({path})")
-    return path
 
 
 def make_tiny(
@@ -45,142 +38,56 @@ def make_tiny(
     out_dir: str | Path,
     *,
     seed: int = 0,
-    layers: int | None = None,
-    hidden: int | None = None,
-    heads: int | None = None,
-    kv_heads: int | None = None,
-    head_dim: int | None = None,
-    intermediate: int | None = None,
-    vocab: int | None = None,
-    experts: int | None = None,
-    experts_per_tok: int | None = None,
-    moe_intermediate: int | None = None,
-    norm_topk_prob: bool | None = None,
-    decoder_sparse_step: int | None = None,
-    mlp_only_layers: Sequence[int] | None = None,
-    linear_key_heads: int | None = None,
-    linear_value_heads: int | None = None,
-    linear_key_head_dim: int | None = None,
-    linear_value_head_dim: int | None = None,
-    conv_kernel: int | None = None,
-    full_attention_interval: int | None = None,
-    kv_lora_rank: int | None = None,
-    q_lora_rank: int | None = None,
-    qk_nope_head_dim: int | None = None,
-    qk_rope_head_dim: int | None = None,
-    v_head_dim: int | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
-    shared_experts: int | None = None,
-    first_k_dense: int | None = None,
-    mtp_layers: int | None = None,
-    yarn_factor: float | None = None,
     fp8: bool = False,
     tie_embeddings: bool = False,
     dtype: str = "float32",
     shards: int = 1,
     tokenizer: str = "json",
     overwrite: bool = False,
+    **sizes: Any,
 ) -> Path:
     """Write a random-weight checkpoint of ``family`` to ``out_dir``; returns ``out_dir``.
 
-    Sizes left as None take the family's tiny defaults (``kern.tiny.config.DEFAULTS``);
-    options that do not apply to the family (``experts`` for ``qwen3``) must be None.
+    ``sizes`` (``layers``, ``hidden``, ``experts``, ...; None: unset) take the family's tiny
+    defaults (its writer's ``DEFAULTS``); one the family does not have is refused.
     ``dtype`` is the stored dtype (``float32``/``bfloat16``/``float16``); ``shards > 1`` writes
     ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``.
-    ``tokenizer="tiktoken"`` (kimi_linear) writes Kimi's ``tiktoken.model`` and
-    ``tokenizer_config.json`` instead of ``tokenizer.json`` (its vocabulary sets the model's).
-
-    deepseek_v3: ``q_lora_rank=0`` gives a plain q_proj; ``mtp_layers`` writes that many
-    multi-token-prediction layers in DeepSeek's names (``model.layers.<layers + k>.*``);
-    ``yarn_factor`` > 0 sets YaRN RoPE scaling (mscale 1, as released); ``fp8=True`` stores
-    the projections as block-scaled FP8 with ``weight_scale_inv`` (:data:`FP8_BLOCK`), as
-    DeepSeek's release does (embeddings, heads, routers and norms stay float).
-
-    deepseek_v4 (``kern.tiny.config.V4_FIXED`` has the sizes without an option): written as
-    transformers' save_pretrained writes it; ``yarn_factor`` scales the compressed layers'
-    RoPE; ``fp8=True`` writes the release's format instead: its names and config spelling,
-    FP8 projections with e8m0 ``.scale`` blocks and FP4 routed experts
-    (``kern.tiny.quantize``).
+    ``tokenizer="tiktoken"`` (a family whose writer lists it: kimi_linear) writes Kimi's
+    ``tiktoken.model`` and ``tokenizer_config.json`` instead of ``tokenizer.json`` (its
+    vocabulary sets the model's). ``fp8=True`` (a family whose writer has ``quantize``) writes
+    the release's quantised format: for deepseek_v3 block-scaled FP8 projections with
+    ``weight_scale_inv`` (:data:`kern.tiny.config.FP8_BLOCK`); for deepseek_v4 the release's
+    names, config spelling, FP8 projections with e8m0 ``.scale`` blocks and FP4 routed
+    experts. deepseek_v3's ``mtp_layers`` writes that many multi-token-prediction layers;
+    ``yarn_factor`` > 0 sets YaRN RoPE scaling (deepseek_v4: its compressed layers').
 
     Raises ``ValueError`` for an unknown family or an option that does not apply,
-    :class:`~kern.model_config.ConfigFieldError` for inconsistent sizes, and ``FileExistsError``
-    when ``out_dir`` is not empty and ``overwrite`` is false. Same arguments, same bytes.
+    :class:`~kern.checkpoint.errors.ConfigFieldError` for inconsistent sizes, and
+    ``FileExistsError`` when ``out_dir`` is not empty and ``overwrite`` is false. Same
+    arguments, same bytes.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r} (one of {', '.join(FAMILIES)})")
-    given = dict(
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate=intermediate,
-        vocab=vocab,
-        experts=experts,
-        experts_per_tok=experts_per_tok,
-        moe_intermediate=moe_intermediate,
-        norm_topk_prob=norm_topk_prob,
-        decoder_sparse_step=decoder_sparse_step,
-        mlp_only_layers=mlp_only_layers,
-        linear_key_heads=linear_key_heads,
-        linear_value_heads=linear_value_heads,
-        linear_key_head_dim=linear_key_head_dim,
-        linear_value_head_dim=linear_value_head_dim,
-        conv_kernel=conv_kernel,
-        full_attention_interval=full_attention_interval,
-        kv_lora_rank=kv_lora_rank,
-        q_lora_rank=q_lora_rank,
-        qk_nope_head_dim=qk_nope_head_dim,
-        qk_rope_head_dim=qk_rope_head_dim,
-        v_head_dim=v_head_dim,
-        n_group=n_group,
-        topk_group=topk_group,
-        shared_experts=shared_experts,
-        first_k_dense=first_k_dense,
-        mtp_layers=mtp_layers,
-        yarn_factor=yarn_factor,
-    )
-    args = dict(DEFAULTS[family])
-    for key, value in given.items():
-        if value is None:
-            continue
-        if key not in args:
-            raise ValueError(f"option {key!r} does not apply to family {family!r}")
-        args[key] = value
+    if family not in registry.NAMES:
+        raise ValueError(f"unknown family {family!r} (one of {', '.join(registry.NAMES)})")
+    writer = registry.family(family).tiny_writer()
+    args = _sizes(family, writer.DEFAULTS, sizes)
     if shards < 1:
         raise ValueError(f"shards must be at least 1, got {shards}")
-    if fp8 and family not in ("deepseek_v3", "deepseek_v4"):
+    if fp8 and not hasattr(writer, "quantize"):
         raise ValueError(f"option 'fp8' does not apply to family {family!r}")
-    args["fp8"] = fp8
+    args.update(fp8=fp8, fp8_block=FP8_BLOCK)
     storage_dtype = parse_dtype(dtype)
-
     if tokenizer not in ("json", "tiktoken"):
         raise ValueError(f"tokenizer must be 'json' or 'tiktoken', got {tokenizer!r}")
-    if tokenizer == "tiktoken" and (family != "kimi_linear" or vocab is not None):
-        what = "option 'vocab'" if family == "kimi_linear" else f"family {family!r}"
+    tiktoken_ok = "tiktoken" in getattr(writer, "TOKENIZERS", ("json",))
+    if tokenizer == "tiktoken" and (not tiktoken_ok or sizes.get("vocab") is not None):
+        what = "option 'vocab'" if tiktoken_ok else f"family {family!r}"
         raise ValueError(
             f"tokenizer='tiktoken' (Kimi's, its own vocabulary) does not go with {what}"
         )
     with tempfile.TemporaryDirectory() as tmp:
-        if tokenizer == "tiktoken":
-            kimi = write_tiktoken_tokenizer(Path(tmp))
-            args["vocab"] = kimi.vocab_size
-            ids = {"bos": kimi.bos_token_id, "eos": kimi.eos_token_id}
-            ids["pad"] = kimi.special_ids["[PAD]"]
-            eos_ids = [kimi.eos_token_id, kimi.special_ids["[EOS]"]]
-        else:
-            fast, special_ids = build_tokenizer(args["vocab"])
-            (Path(tmp) / "tokenizer.json").write_text(
-                fast.to_str(pretty=True) + "\n", encoding="utf-8"
-            )
-            _write_json(Path(tmp) / "tokenizer_config.json", tokenizer_config(special_ids))
-            ids = {"bos": special_ids["<|endoftext|>"], "eos": special_ids["<|im_end|>"]}
-            ids["pad"] = ids["bos"]
-            eos_ids = [ids["eos"], ids["bos"]]
+        ids, eos_ids = _write_tokenizer(Path(tmp), tokenizer, args)
         config_json = tiny_config_json(family, args, ids, tie_embeddings, dtype)
         config = parse_config(config_json, source=f"make_tiny({family!r})")
-
         out = Path(out_dir)
         if out.exists() and any(out.iterdir()) and not overwrite:
             raise FileExistsError(f"{out}: not empty (pass overwrite=True / --force to replace)")
@@ -188,10 +95,8 @@ def make_tiny(
         for file in sorted(Path(tmp).iterdir()):
             shutil.copyfile(file, out / file.name)
     tensors = _weights(config, seed, storage_dtype)
-    if fp8 and family == "deepseek_v4":
-        tensors = {released_v4_name(k): t for k, t in quantize_v4(tensors, FP8_BLOCK).items()}
-    elif fp8:
-        tensors = quantize_fp8(tensors, FP8_BLOCK)
+    if fp8:
+        tensors = writer.quantize(tensors, FP8_BLOCK)
     tensors = {stored_name(config, k): t for k, t in tensors.items()}
     _write_weights(out, tensors, shards)
     _write_json(out / "config.json", config_json)
@@ -202,8 +107,41 @@ def make_tiny(
     return out
 
 
+def _sizes(family: str, defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The family's default sizes with ``given`` (None: unset) over them."""
+    args = dict(defaults)
+    for key, value in given.items():
+        if value is None:
+            continue
+        if key not in args:
+            raise ValueError(f"option {key!r} does not apply to family {family!r}")
+        args[key] = value
+    return args
+
+
+def _write_tokenizer(
+    tmp: Path, tokenizer: str, args: dict[str, Any]
+) -> tuple[dict[str, int], list[int]]:
+    """The tokenizer's files in ``tmp``; the "bos", "eos" and "pad" ids and the end ids
+    generation_config lists (a tiktoken tokenizer sets ``args["vocab"]``)."""
+    if tokenizer == "tiktoken":
+        kimi = write_tiktoken_tokenizer(tmp)
+        args["vocab"] = kimi.vocab_size
+        ids = {"bos": kimi.bos_token_id, "eos": kimi.eos_token_id}
+        ids["pad"] = kimi.special_ids["[PAD]"]
+        return ids, [kimi.eos_token_id, kimi.special_ids["[EOS]"]]
+    fast, special_ids = build_tokenizer(args["vocab"])
+    (tmp / "tokenizer.json").write_text(fast.to_str(pretty=True) + "\n", encoding="utf-8")
+    _write_json(tmp / "tokenizer_config.json", tokenizer_config(special_ids))
+    ids = {"bos": special_ids["<|endoftext|>"], "eos": special_ids["<|im_end|>"]}
+    ids["pad"] = ids["bos"]
+    return ids, [ids["eos"], ids["bos"]]
+
+
 def _weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    zero_centered = config.model_type == "qwen3_5"
+    writer = registry.of(config).tiny_writer()
+    # A norm weight's neutral value: 1, or the family's (0 for zero-centred norms).
+    center = getattr(writer, "norm_center", lambda name: 1.0)
     tensors = {}
     shapes = expected_shapes(config)
     if config.num_mtp_layers:
@@ -214,9 +152,7 @@ def _weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, to
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
         leaf = name.rsplit(".", 2)
         if name.endswith("norm.weight"):
-            # linear_attn.norm is a plain gated RMSNorm (scales by w) even in Qwen3.5.
-            plain = not zero_centered or name.endswith("linear_attn.norm.weight")
-            t = (1.0 if plain else 0.0) + 0.1 * noise
+            t = center(name) + 0.1 * noise
         elif leaf[-1] == "A_log":
             u = torch.rand(shape, generator=gen, dtype=torch.float32)
             t = torch.log(0.05 + 0.95 * u)
@@ -226,7 +162,9 @@ def _weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, to
             t = noise / math.sqrt(shape[-1])
         elif name.endswith(".gate.tid2eid"):
             # Hash routing: each token's top-k distinct experts (an integer table).
-            order = torch.rand(config.vocab_size, config.num_experts, generator=gen).argsort(1)
+            assert config.experts is not None
+            num_experts = config.experts.num_experts
+            order = torch.rand(config.vocab_size, num_experts, generator=gen).argsort(1)
             tensors[name] = order[:, : shape[1]].contiguous()
             continue
         elif name.endswith((".bias", "e_score_correction_bias")):
@@ -248,30 +186,6 @@ def _weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[str, to
             head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
             tensors[name] = tensors[head].clone()
     return tensors
-
-
-def quantize_fp8(
-    tensors: dict[str, torch.Tensor], block: tuple[int, int]
-) -> dict[str, torch.Tensor]:
-    """DeepSeek's FP8 release format: every projection weight (2-d, not an embedding, head or
-    router) as float8_e4m3fn plus ``<name>_scale_inv``, one float32 scale (block amax / 448)
-    per ``block``; other tensors unchanged."""
-    out = {}
-    for name, t in tensors.items():
-        if t.dim() != 2 or name.endswith(("embed_tokens.weight", "head.weight", "gate.weight")):
-            out[name] = t
-            continue
-        rows, cols = t.shape
-        b0, b1 = block
-        nr, nc = -(-rows // b0), -(-cols // b1)
-        padded = torch.zeros(nr * b0, nc * b1)
-        padded[:rows, :cols] = t.float()
-        blocks = padded.view(nr, b0, nc, b1)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-        q = (blocks / scale[:, None, :, None]).view(nr * b0, nc * b1)[:rows, :cols]
-        out[name] = q.to(torch.float8_e4m3fn).contiguous()
-        out[name + "_scale_inv"] = scale.contiguous()
-    return out
 
 
 def _write_weights(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:

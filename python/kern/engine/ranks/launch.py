@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kern.backend import make_ops
-from kern.checkpoint import Checkpoint
+from kern.checkpoint.load import Checkpoint
 from kern.engine.arena import Placement
 from kern.engine.layout import Layout
 from kern.engine.ranks.runner import RankedRunner

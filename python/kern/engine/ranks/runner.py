@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from kern.batch import SeqChunk
+from kern.chunk import SeqChunk
 from kern.engine.runner import Runner
 from kern.pool import CopyPlan
 
@@ -33,7 +33,7 @@ class _Plan:
 
 
 # Runner methods that change nothing a rank holds: rank 0 runs them alone.
-_READ_ONLY = frozenset({"kv_at", "state_end"})
+_READ_ONLY = frozenset({"kv_at"})
 
 
 class RankedRunner:
@@ -79,8 +79,13 @@ class RankedRunner:
     def keep_rows(self, slot: int, num_rows: int) -> None:
         self._call("keep_rows", slot, num_rows)
 
-    def keep_positions(self, block_table: Sequence[int], start_pos: int, num_rows: int) -> None:
-        self._call("keep_positions", list(block_table), start_pos, num_rows)
+    def rewind(
+        self, block_table: Sequence[int], start_pos: int, slot: int | None, num_rows: int
+    ) -> None:
+        # Broadcast only what changes something: a stateless target on plain pages has
+        # nothing to rewind.
+        if self._runner.rewinds:
+            self._call("rewind", list(block_table), start_pos, slot, num_rows)
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         self._call("copy_pages", list(src), list(dst))

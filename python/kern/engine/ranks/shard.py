@@ -3,6 +3,8 @@ around it: the collectives that join the ranks' partial results.
 
 Design notes
 ------------
+* What a parallel mode splits is the family's registry row (``Family.parallel``: ``HEADS``,
+  ``EXPERTS``, ``EXPERTS_ONLY``); the families named below are today's rows.
 * ``tp`` (tensor parallel; ``qwen3``, ``qwen3_moe``, ``qwen3_5``): rank r of N holds
   attention heads ``[r * H / N, (r + 1) * H / N)`` (q, k, v rows and the matching ``o_proj``
   columns; the KV heads likewise, so each rank's KV pages hold Hk / N heads) and MLP columns
@@ -51,14 +53,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kern import checkpoint as _ckpt
-from kern.checkpoint import Checkpoint, Part, parse_dtype, read_tensors
-from kern.model_config import ModelConfig, load_config
-from kern.models.qwen3_moe import SparseMoE
+from kern.checkpoint.config import load_config
+from kern.checkpoint.errors import MissingFileError
+from kern.checkpoint.load import (
+    Checkpoint,
+    Part,
+    eos_token_ids,
+    index_tensors,
+    parse_dtype,
+    read_tensors,
+    validate,
+)
+from kern.models import registry
+from kern.models.config import ModelConfig
+from kern.models.layers.moe import SparseMoE
 from kern.tokenizer import Tokenizer
 
 __all__ = [
-    "PARALLEL",
     "Comm",
     "Headless",
     "Shard",
@@ -68,14 +79,14 @@ __all__ = [
     "shard_model",
 ]
 
-# What each parallel mode splits, and the families it is implemented for.
-PARALLEL = {
-    "tp": ("qwen3", "qwen3_moe", "qwen3_5"),
-    "ep": ("qwen3_moe", "deepseek_v3", "kimi_linear", "deepseek_v4"),
-}
+# The parallel modes kern implements (what each splits is the family's registry row).
+MODES = ("tp", "ep")
 
-# Families whose ep shards split only the routed experts (everything else replicated).
-_EXPERTS_ONLY = ("deepseek_v3", "kimi_linear", "deepseek_v4")
+
+def _experts_only(c: ModelConfig, parallel: str) -> bool:
+    """Whether ``c``'s ``parallel`` shards split only the routed experts (everything else
+    replicated)."""
+    return registry.of(c).parallel.get(parallel) == registry.EXPERTS_ONLY
 
 
 class ShardError(ValueError):
@@ -93,18 +104,19 @@ class Shard:
     def check(self, c: ModelConfig) -> None:
         """Raise :class:`ShardError` naming what does not split (see the notes)."""
         n = self.num_ranks
-        families = PARALLEL.get(self.parallel)
-        if families is None:
+        if self.parallel not in MODES:
             raise ShardError(f"parallel = {self.parallel!r}: kern implements 'tp' and 'ep'")
-        if c.model_type not in families:
+        if self.parallel not in registry.of(c).parallel:
+            families = registry.splitting(self.parallel)
             raise ShardError(
                 f"parallel = {self.parallel!r} is implemented for {', '.join(families)}, "
                 f"not {c.model_type}"
             )
-        if c.model_type in _EXPERTS_ONLY:
-            if c.num_experts % n:
+        experts = c.experts.num_experts if c.experts is not None else 0
+        if _experts_only(c, self.parallel):
+            if experts % n:
                 raise ShardError(
-                    f"ranks = {n} does not divide the model's n_routed_experts ({c.num_experts})"
+                    f"ranks = {n} does not divide the model's n_routed_experts ({experts})"
                 )
             return
         sizes = {
@@ -113,13 +125,13 @@ class Shard:
         }
         if any(not c.is_sparse_layer(i) for i in range(c.num_hidden_layers)):
             sizes["intermediate_size"] = c.intermediate_size
-        if c.num_experts and self.parallel == "tp":
-            sizes["moe_intermediate_size"] = c.moe_intermediate_size
-        if c.num_experts and self.parallel == "ep":
-            sizes["num_experts"] = c.num_experts
-        if c.linear_num_value_heads:
-            sizes["linear_num_key_heads"] = c.linear_num_key_heads
-            sizes["linear_num_value_heads"] = c.linear_num_value_heads
+        if c.experts is not None and self.parallel == "tp":
+            sizes["moe_intermediate_size"] = c.experts.moe_intermediate_size
+        if c.experts is not None and self.parallel == "ep":
+            sizes["num_experts"] = c.experts.num_experts
+        if c.delta is not None:
+            sizes["linear_num_key_heads"] = c.delta.num_key_heads
+            sizes["linear_num_value_heads"] = c.delta.num_value_heads
         for key, value in sizes.items():
             if value % n:
                 raise ShardError(f"ranks = {n} does not divide the model's {key} ({value})")
@@ -127,18 +139,22 @@ class Shard:
     def config(self, c: ModelConfig) -> ModelConfig:
         """This rank's view of the model: heads and MLP widths divided by the rank count."""
         n = self.num_ranks
-        if c.model_type in _EXPERTS_ONLY:
+        if _experts_only(c, self.parallel):
             return c
         changes: dict[str, Any] = {
             "num_attention_heads": c.num_attention_heads // n,
             "num_key_value_heads": c.num_key_value_heads // n,
             "intermediate_size": c.intermediate_size // n,
         }
-        if self.parallel == "tp" and c.num_experts:
-            changes["moe_intermediate_size"] = c.moe_intermediate_size // n
-        if c.linear_num_value_heads:
-            changes["linear_num_key_heads"] = c.linear_num_key_heads // n
-            changes["linear_num_value_heads"] = c.linear_num_value_heads // n
+        if self.parallel == "tp" and c.experts is not None:
+            inner = c.experts.moe_intermediate_size // n
+            changes["experts"] = dataclasses.replace(c.experts, moe_intermediate_size=inner)
+        if c.delta is not None:
+            changes["delta"] = dataclasses.replace(
+                c.delta,
+                num_key_heads=c.delta.num_key_heads // n,
+                num_value_heads=c.delta.num_value_heads // n,
+            )
         return dataclasses.replace(c, **changes)
 
     def owns_expert(self, expert: int) -> bool:
@@ -149,7 +165,7 @@ class Shard:
         concatenated along that dim; None for the whole tensor. Raises ``KeyError`` for a
         tensor it does not read at all."""
         n, r = self.num_ranks, self.rank
-        if name == _head(c) and r != 0:
+        if name == registry.of(c).head and r != 0:
             raise KeyError(name)
         parts = name.split(".")
         if "experts" in parts:
@@ -158,7 +174,7 @@ class Shard:
                 raise KeyError(name)
             if self.parallel == "ep":
                 return None
-        if c.model_type in _EXPERTS_ONLY:
+        if _experts_only(c, self.parallel):
             return None
         leaf = ".".join(parts[-2:])
         if leaf in _ROWS or leaf in _LINEAR_ROWS:
@@ -168,8 +184,9 @@ class Shard:
             return [(0, r * rows, (r + 1) * rows)]
         if leaf in ("in_proj_qkv.weight", "conv1d.weight"):
             # q, k (key heads) then v (value heads), each split by heads.
-            key_dim = c.linear_num_key_heads * c.linear_key_head_dim
-            value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+            assert c.delta is not None
+            key_dim = c.delta.num_key_heads * c.delta.key_head_dim
+            value_dim = c.delta.num_value_heads * c.delta.value_head_dim
             out = []
             for start, width in ((0, key_dim), (key_dim, key_dim), (2 * key_dim, value_dim)):
                 w = width // n
@@ -179,11 +196,6 @@ class Shard:
             cols = shape[1] // n
             return [(1, r * cols, (r + 1) * cols)]
         return None
-
-
-def _head(c: ModelConfig) -> str:
-    """The LM head's tensor (DeepSeek-V4 keeps its own name, ``head.weight``)."""
-    return "head.weight" if c.model_type == "deepseek_v4" else "lm_head.weight"
 
 
 _ROWS = {
@@ -200,10 +212,10 @@ def check_shard(path: str | Path, shard: Shard) -> None:
     splits, and every tensor's name and shape (from the safetensors headers)."""
     path = Path(path)
     if not path.is_dir():
-        raise _ckpt.MissingFileError(f"{path}: no such checkpoint folder")
+        raise MissingFileError(f"{path}: no such checkpoint folder")
     full = load_config(path)
     shard.check(full)
-    _ckpt._validate(path, full, _ckpt._index_tensors(path, full))
+    validate(path, full, index_tensors(path, full))
 
 
 def load_shard(
@@ -223,14 +235,14 @@ def load_shard(
     """
     path = Path(path)
     if not path.is_dir():
-        raise _ckpt.MissingFileError(f"{path}: no such checkpoint folder")
+        raise MissingFileError(f"{path}: no such checkpoint folder")
     dtype = parse_dtype(dtype)
     full = load_config(path)
     shard.check(full)
-    entries = _ckpt._index_tensors(path, full)
-    _ckpt._validate(path, full, entries)
-    tokenizer = Tokenizer.from_dir(path, extra_eos_token_ids=_ckpt._eos_token_ids(path, full))
-    wanted: dict[str, _ckpt._Entry] = {}
+    entries = index_tensors(path, full)
+    validate(path, full, entries)
+    tokenizer = Tokenizer.from_dir(path, extra_eos_token_ids=eos_token_ids(path, full))
+    wanted: dict[str, Any] = {}
     parts: dict[str, list[Part] | None] = {}
     for name, entry in entries.items():
         try:
@@ -247,13 +259,13 @@ def load_shard(
         pick=parts.__getitem__,
     )
     if shard.rank != 0:
-        split = full.model_type not in _EXPERTS_ONLY  # else every rank adds its own whole bias
+        split = not _experts_only(full, shard.parallel)  # else every rank adds its whole bias
         for name in [k for k in tensors if split and k.endswith("o_proj.bias")]:
             tensors[name] = torch.zeros_like(tensors[name])
         if not full.tie_word_embeddings:
             # Only rank 0 computes logits (Headless): the head the model is built with here
             # is one row, never multiplied.
-            tensors[_head(full)] = torch.zeros(1, full.hidden_size, dtype=dtype)
+            tensors[registry.of(full).head] = torch.zeros(1, full.hidden_size, dtype=dtype)
     return Checkpoint(path=path, config=shard.config(full), tensors=tensors, tokenizer=tokenizer)
 
 
@@ -333,7 +345,7 @@ class Headless:
 def shard_model(model: Any, shard: Shard, comm: Comm) -> Any:
     """Join ``model``'s layers (built from a rank's shard) across the ranks, in place; on
     ranks other than 0 return it :class:`Headless`."""
-    replicated = model.config.model_type in _EXPERTS_ONLY
+    replicated = _experts_only(model.config, shard.parallel)
     for layer in model.layers:
         if not replicated:
             layer.mixer = _Joined(layer.mixer, comm)

@@ -1,7 +1,7 @@
 """Torch reference for DeepSeek-V4's shared-KV attention with per-head sinks over gathered
 entries (the window's entries, then the compressed or selected ones).
 
-Design notes (the numerics of ``kern.backend.compressed_attention.attend``, reimplemented
+Design notes (the numerics of ``kern.models.deepseek_v4.attention.attend``, reimplemented
 here because kernels do not import upward):
 - Dot products are an elementwise product and a sum over D, never a matmul whose blocking
   follows the batch, so a row's scores do not depend on the other rows.
