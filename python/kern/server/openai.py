@@ -21,10 +21,10 @@ from kern.engine.scheduler import Scheduler
 from kern.engine.structured import Grammars, GrammarUnavailable, Source, StructuredOutputError
 from kern.server import api
 from kern.server.api import ApiError
-from kern.server.http import Marker, Receive, Send, respond
+from kern.server.http import Receive, Send, respond
 from kern.server.logs import RECORD
 from kern.server.prompts import Prompts
-from kern.server.responses import Abort, ChatRun, CompletionRun, Item, Run
+from kern.server.responses import ChatRun, CompletionRun, Item, Run
 from kern.server.splitter import Splitter, opens_reasoning
 from kern.server.text import Choice
 from kern.tokenizer import Tokenizer
@@ -346,17 +346,7 @@ class OpenAI:
         of their events; ``split`` makes each choice's splitter (chat)."""
         sched = self.scheduler
         n = body.n or 1
-        for i, prompt_ids in enumerate(prompts):
-            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            param = param if run is CompletionRun else "messages"  # chat's prompt
-            if not prompt_ids:
-                raise ApiError(400, "the prompt encodes to no tokens", param=param)
-            limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
-            try:
-                sched.check(len(prompt_ids), limit)
-            except LimitError as e:
-                code = "context_length_exceeded"
-                raise ApiError(400, str(e), param=e.param or param, code=code) from None
+        self._check_limits(prompts, max_tokens, chat=run is not CompletionRun)
         stop_ids = frozenset(body.stop_token_ids or ())
         self.prompts.check_ids(sorted(stop_ids), "stop_token_ids")
         # The ids whose token ends a choice: their text is left out unless asked for.
@@ -368,8 +358,7 @@ class OpenAI:
         stops = body.stop_strings()
         grammar = await self._grammar(body, opened)
         queue: asyncio.Queue[Item] = asyncio.Queue()
-        reqs = []
-        choices = []
+        reqs, choices = [], []
         for p, prompt_ids in enumerate(prompts):
             limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
             for j in range(n):
@@ -415,17 +404,38 @@ class OpenAI:
             tokenizer=self.tokenizer,
             abort=sched.abort,
         )
+        await self._answer(rendering, receive, send)
+
+    def _check_limits(self, prompts: list[list[int]], max_tokens: int | None, chat: bool) -> None:
+        """A 400 for a prompt that is empty or whose answer would not fit (``max_tokens``
+        None: as many as fit); ``chat``: the prompt is the messages."""
+        sched = self.scheduler
+        for i, prompt_ids in enumerate(prompts):
+            param = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not prompt_ids:
+                raise ApiError(400, "the prompt encodes to no tokens", param=param)
+            limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
+            try:
+                sched.check(len(prompt_ids), limit)
+            except LimitError as e:
+                code = "context_length_exceeded"
+                raise ApiError(400, str(e), param=e.param or param, code=code) from None
+
+    async def _answer(self, rendering: Run, receive: Receive, send: Send) -> None:
+        """Submit ``rendering``'s requests and answer with it, its watcher on ``receive``
+        beside it; what has not finished when it returns is aborted."""
+        sched, reqs = self.scheduler, rendering.reqs
         record = RECORD.get()
         if record is not None:
             record.run = rendering
             if self.log_prompts:
-                record.prompt = self.tokenizer.decode(prompts[0])
+                record.prompt = self.tokenizer.decode(rendering.prompts[0])
         for r in reqs:
             sched.submit(r)
         self.runs.add(rendering)
-        watcher = asyncio.create_task(_watch(receive, reqs, queue, sched.abort))
+        watcher = asyncio.create_task(rendering.watch(receive))
         try:
-            if body.stream:
+            if rendering.body.stream:
                 await rendering.stream(send)
             else:
                 await rendering.collect(send)
@@ -435,16 +445,3 @@ class OpenAI:
             for r in reqs:
                 if r.finish_reason is None:
                     sched.abort(r)
-
-
-async def _watch(
-    receive: Receive, reqs: list[Request], queue: asyncio.Queue[Item], abort: Abort
-) -> None:
-    """Abort ``reqs`` when the client hangs up (the only way to learn it under ASGI 2.1)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            for r in reqs:
-                abort(r, "abort")
-            queue.put_nowait(Marker.HANGUP)
-            return
