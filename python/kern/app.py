@@ -31,7 +31,7 @@ from kern.metrics import Metrics
 from kern.server import anthropic_messages, api, heap, openai_responses, openapi
 from kern.server.api import ApiError
 from kern.server.cors import Cors
-from kern.server.drain import retry_elsewhere
+from kern.server.drain import Admission, retry_elsewhere
 from kern.server.hangup import StepGate
 from kern.server.http import JSON, Disconnected, Receive, Scope, Send, respond
 from kern.server.logs import RECORD, RequestRecord, StatsLine, request_id
@@ -78,12 +78,8 @@ class App:
         self.loop: asyncio.AbstractEventLoop | None = None
         # How far the scheduler may run ahead of the loop (kern.server.hangup).
         self.gate = StepGate()
-        self.draining = False
-        # Requests admitted and not yet answered; ``idle`` is set when there are none
-        # (kern.server.drain waits on it).
-        self.inflight = 0
-        self.idle = asyncio.Event()
-        self.idle.set()
+        # Whether requests are admitted, and those in flight (kern.server.drain waits on them).
+        self.admission = Admission()
         self._stats_task: asyncio.Task[None] | None = None
         self._trim_task: asyncio.Task[None] | None = None
         self._routes: dict[str, tuple[str, Handler]] = {
@@ -189,7 +185,7 @@ class App:
     def drain(self) -> None:
         """Stop admitting and end every open generation (see kern.server's design notes). On
         the event loop's thread; idempotent."""
-        self.draining = True
+        self.admission.draining = True
         if self.openai is not None:
             self.openai.shut_down()
 
@@ -262,7 +258,7 @@ class App:
                 )
             if self.scheduler is None:
                 raise ApiError(503, "the model is loading", type="server_error")
-            if self.draining and path != "/metrics":
+            if self.admission.draining and path != "/metrics":
                 raise ApiError(
                     503,
                     "the server is shutting down",
@@ -276,8 +272,7 @@ class App:
             if method == "POST":
                 _require_json(scope)
             counted = True
-            self.inflight += 1
-            self.idle.clear()
+            self.admission.enter()
             await handler(scope, receive, send_tagged)
         except ApiError as e:
             record.error = e.message
@@ -292,9 +287,7 @@ class App:
         finally:
             record.log()
             if counted:
-                self.inflight -= 1
-                if not self.inflight:
-                    self.idle.set()
+                self.admission.leave()
 
     def _authorize(self, scope: Scope) -> None:
         assert self.api_key is not None

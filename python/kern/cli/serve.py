@@ -247,8 +247,9 @@ def _serve(app: App, sock: socket.socket, args: argparse.Namespace, summary: str
 
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
-        assert app.settings is not None
-        drain = Drain(app, app.settings.shutdown_timeout, stop)
+        assert app.settings is not None and app.openai is not None and app.scheduler is not None
+        timeout = app.settings.shutdown_timeout
+        drain = Drain(app.admission, app.openai.runs, app.scheduler, timeout, stop)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, drain.on_signal, sig)
         # Listening from here (a client that connects now waits in the backlog for hypercorn
