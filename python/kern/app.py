@@ -36,6 +36,7 @@ from kern.server.hangup import StepGate
 from kern.server.http import JSON, Disconnected, Receive, Scope, Send, respond
 from kern.server.logs import RECORD, RequestRecord, StatsLine, request_id
 from kern.server.openai import OpenAI
+from kern.server.openai_responses_types import ResponseStore
 from kern.server.request_head import UnreadBody, check_framing
 from kern.server.settings import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Settings
 from kern.server.startup import exit_failed_start
@@ -97,7 +98,7 @@ class App:
             "/v1/responses": ("POST", self._responses),
         }
         # Stored Responses API responses (kern.server.openai_responses).
-        self.response_store = openai_responses.ResponseStore()
+        self.response_store = ResponseStore()
 
     # --- ASGI -------------------------------------------------------------------------------
 

@@ -7,18 +7,16 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from kern.server import api
 from kern.server.http import SSE, Send
+from kern.server.openai_responses_types import ResponsesRequest, ResponseStore
 from kern.server.responses import ChatRun
 from kern.server.splitter import THINK_CLOSE, Parts
 from kern.server.text import Choice
-
-if TYPE_CHECKING:
-    from kern.server.openai_responses import ResponsesRequest, ResponseStore
 
 __all__ = ["ResponsesRun"]
 
