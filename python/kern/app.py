@@ -21,6 +21,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kern import __version__
+from kern.chat_formats import FORMATS, reasoning_block
 from kern.checkpoint import sampling_defaults
 from kern.engine.load import Engine
 from kern.engine.request import Event, Request
@@ -175,8 +176,8 @@ class App:
             vocab_size=config.vocab_size,
             max_model_len=max_len,
             sampling_defaults=sampling_defaults(target.checkpoint),
-            reasoning=target.reasoning_parser is not None,
-            tool_parser=target.tool_parser,
+            reasoning=reasoning_block(target.reasoning_parser),
+            chat_format=FORMATS[target.tool_parser],
             log_prompts=self.settings.log_prompts,
             created=self.created,
             allow_unknown_fields=self.settings.allow_unknown_fields,

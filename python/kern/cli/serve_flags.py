@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 
 import kern.cli.args as argtypes
-from kern.kern_toml import DEFAULT_THREADS, REASONING_PARSERS, TOOL_PARSERS
+from kern.chat_formats import DEFAULT, FORMATS, REASONING_PARSERS, TOOL_PARSERS
+from kern.kern_toml import DEFAULT_THREADS
 from kern.server import logs
 
 __all__ = ["add_flags"]
@@ -91,7 +92,7 @@ def _target_keys(p: argparse.ArgumentParser) -> None:
         dest="tool_parser",
         choices=TOOL_PARSERS,
         help="the convention chat answers write tool calls in, the kern.toml key tool_parser: "
-        "qwen3's <tool_call> blocks or kimi_k2's tool-calls sections (default: qwen3)",
+        f"{_tool_formats()} (default: {DEFAULT.name})",
     )
     keys.add_argument(
         "--grammar-timeout",
@@ -188,3 +189,9 @@ def _logs(p: argparse.ArgumentParser) -> None:
         help="a stats line this often while busy (default 10; 0: none)",
     )
     log_args.add_argument("--access-log", action="store_true", help="hypercorn's access log too")
+
+
+def _tool_formats() -> str:
+    """The formats ``--tool-call-parser`` takes, as its help names them."""
+    named = [f"{name}'s {f.summary}" for name, f in FORMATS.items()]
+    return " or ".join([", ".join(named[:-1]), named[-1]] if len(named) > 1 else named)
