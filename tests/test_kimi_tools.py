@@ -20,6 +20,8 @@ from support.scheduler import Harness, load, prompt
 from support.schemas import SCHEMAS
 from support.server import KEY, MODEL, Server
 
+from kern.chat_formats.kimi_k2 import KIMI_K2
+from kern.chat_formats.qwen3 import QWEN3
 from kern.engine.structured import Grammars
 from kern.server.splitter import Splitter
 from kern.tiny import default_model_path
@@ -40,7 +42,8 @@ TWO = BEGIN + call("get_weather", 0, '{"city": "Paris"}') + call("get_time", 1, 
 
 def split(text: str, cuts=(), *, reasoning=False, tools=True):
     """What the kimi_k2 splitter makes of ``text`` fed in pieces cut at ``cuts``."""
-    s = Splitter(reasoning=reasoning, tools=tools, tool_parser="kimi_k2")
+    think = QWEN3.reasoning if reasoning else None
+    s = Splitter(reasoning=think, tools=KIMI_K2 if tools else None)
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
     reasoned, content, calls = "", "", []
     for i, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
@@ -193,7 +196,7 @@ def client_calls(message):
 def test_greedy_answers_under_the_grammar_are_valid_calls(engine, choice, parallel):
     tok, h = engine.checkpoint.tokenizer, Harness(engine)
     grammars = Grammars(tok, engine.checkpoint.config.vocab_size)
-    compiled = grammars.compile_tools(SPECS, choice, parallel, None, "kimi_k2")
+    compiled = grammars.compile_tools(SPECS, choice, parallel, None, KIMI_K2)
     reqs = [
         h.submit(prompt(seed, 12), 200, grammar=grammars.matcher(compiled)) for seed in range(6)
     ]
@@ -202,9 +205,7 @@ def test_greedy_answers_under_the_grammar_are_valid_calls(engine, choice, parall
     stopped = 0
     for req in reqs:
         ids = [t for t in h.answer(req) if t not in tok.eos_token_ids]
-        parts = Splitter(reasoning=False, tools=True, tool_parser="kimi_k2").feed(
-            tok.decode(ids), final=True
-        )
+        parts = Splitter(reasoning=None, tools=KIMI_K2).feed(tok.decode(ids), final=True)
         if h.finish_reason(req) == "length":  # parallel calls may go on: the cut-off section
             assert parallel and parts.content.startswith(BEGIN[:1]) and not parts.calls
             continue
@@ -230,7 +231,7 @@ def test_the_grammar_can_write_the_markers_special_tokens(engine):
          .replace('"Paris"}', '"Paris", "days": 2}')),
         ("auto", True, "Checking. " + one + " and " + one),
     ):  # fmt: skip
-        matcher = grammars.matcher(grammars.compile_tools(SPECS, choice, parallel, None, "kimi_k2"))
+        matcher = grammars.matcher(grammars.compile_tools(SPECS, choice, parallel, None, KIMI_K2))
         ids = tok.encode(text)
         assert (tok.token_to_id(BEGIN) in ids) == special
         for i in ids:
@@ -241,7 +242,7 @@ def test_the_grammar_can_write_the_markers_special_tokens(engine):
         assert matcher.accept(eos) and matcher.done
     # One call, then the section ends: a second is refused without parallel calls, or named.
     for choice, parallel in (("required", False), ("set_unit", True)):
-        matcher = grammars.matcher(grammars.compile_tools(SPECS, choice, parallel, None, "kimi_k2"))
+        matcher = grammars.matcher(grammars.compile_tools(SPECS, choice, parallel, None, KIMI_K2))
         second = one.replace(END, "") + "<|tool_call_begin|>"
         assert not all(matcher.accept(i) for i in tok.encode(second))
 

@@ -1,5 +1,5 @@
-"""kern.server.splitter: a chat answer split into reasoning, content and tool calls, the same
-streamed in any pieces as whole."""
+"""kern.server.splitter: a chat answer split into reasoning, content and tool calls (in Qwen3's
+chat format, kern.chat_formats.qwen3), the same streamed in any pieces as whole."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kern.server.splitter import Splitter, opens_reasoning
+from kern.chat_formats.qwen3 import QWEN3
+from kern.server.splitter import Splitter
 
 CALL = '<tool_call>\n{"name": "get", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 def split(text: str, *, cuts=(), reasoning=False, tools=False, opened=False):
-    s = Splitter(reasoning=reasoning, tools=tools, prompt_opened=opened)
+    think, calls = QWEN3.reasoning if reasoning else None, QWEN3 if tools else None
+    s = Splitter(reasoning=think, tools=calls, prompt_opened=opened)
     reasoning_text, content, calls = "", "", []
     bounds = [0, *sorted(c for c in cuts if 0 < c < len(text)), len(text)]
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
@@ -37,9 +39,11 @@ def test_reasoning_block_then_content():
 
 
 def test_a_prompt_that_opened_the_block():
-    assert opens_reasoning("<|im_start|>assistant\n<think>\n")
-    assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not opens_reasoning("no tags")
+    assert QWEN3.reasoning is not None
+    opens = QWEN3.reasoning.opened_by
+    assert opens("<|im_start|>assistant\n<think>\n")
+    assert not opens("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not opens("no tags")
     assert split("why</think>\n\nok", reasoning=True, opened=True) == ("why", "\n\nok", [])
 
 

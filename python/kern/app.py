@@ -21,6 +21,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kern import __version__
+from kern.chat_formats import FORMATS, reasoning_block
 from kern.checkpoint.load import sampling_defaults
 from kern.engine.load import Engine
 from kern.engine.request import Event, Request
@@ -32,11 +33,12 @@ from kern.metrics import Metrics
 from kern.server import anthropic_messages, api, heap, openai_responses, openapi
 from kern.server.api import ApiError
 from kern.server.cors import Cors
-from kern.server.drain import retry_elsewhere
+from kern.server.drain import Admission, retry_elsewhere
 from kern.server.hangup import StepGate
 from kern.server.http import JSON, Disconnected, Receive, Scope, Send, respond
 from kern.server.logs import RECORD, RequestRecord, StatsLine, request_id
 from kern.server.openai import OpenAI
+from kern.server.openai_responses_types import ResponseStore
 from kern.server.request_head import UnreadBody, check_framing
 from kern.server.settings import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, Settings
 from kern.server.startup import exit_failed_start
@@ -79,12 +81,8 @@ class App:
         self.loop: asyncio.AbstractEventLoop | None = None
         # How far the scheduler may run ahead of the loop (kern.server.hangup).
         self.gate = StepGate()
-        self.draining = False
-        # Requests admitted and not yet answered; ``idle`` is set when there are none
-        # (kern.server.drain waits on it).
-        self.inflight = 0
-        self.idle = asyncio.Event()
-        self.idle.set()
+        # Whether requests are admitted, and those in flight (kern.server.drain waits on them).
+        self.admission = Admission()
         self._stats_task: asyncio.Task[None] | None = None
         self._trim_task: asyncio.Task[None] | None = None
         self._routes: dict[str, tuple[str, Handler]] = {
@@ -102,7 +100,7 @@ class App:
             "/v1/responses": ("POST", self._responses),
         }
         # Stored Responses API responses (kern.server.openai_responses).
-        self.response_store = openai_responses.ResponseStore()
+        self.response_store = ResponseStore()
 
     # --- ASGI -------------------------------------------------------------------------------
 
@@ -179,8 +177,8 @@ class App:
             vocab_size=config.vocab_size,
             max_model_len=max_len,
             sampling_defaults=sampling_defaults(target.checkpoint),
-            reasoning=target.reasoning_parser is not None,
-            tool_parser=target.tool_parser,
+            reasoning=reasoning_block(target.reasoning_parser),
+            chat_format=FORMATS[target.tool_parser],
             log_prompts=self.settings.log_prompts,
             created=self.created,
             allow_unknown_fields=self.settings.allow_unknown_fields,
@@ -190,7 +188,7 @@ class App:
     def drain(self) -> None:
         """Stop admitting and end every open generation (see kern.server's design notes). On
         the event loop's thread; idempotent."""
-        self.draining = True
+        self.admission.draining = True
         if self.openai is not None:
             self.openai.shut_down()
 
@@ -263,7 +261,7 @@ class App:
                 )
             if self.scheduler is None:
                 raise ApiError(503, "the model is loading", type="server_error")
-            if self.draining and path != "/metrics":
+            if self.admission.draining and path != "/metrics":
                 raise ApiError(
                     503,
                     "the server is shutting down",
@@ -277,8 +275,7 @@ class App:
             if method == "POST":
                 _require_json(scope)
             counted = True
-            self.inflight += 1
-            self.idle.clear()
+            self.admission.enter()
             await handler(scope, receive, send_tagged)
         except ApiError as e:
             record.error = e.message
@@ -293,9 +290,7 @@ class App:
         finally:
             record.log()
             if counted:
-                self.inflight -= 1
-                if not self.inflight:
-                    self.idle.set()
+                self.admission.leave()
 
     def _authorize(self, scope: Scope) -> None:
         assert self.api_key is not None

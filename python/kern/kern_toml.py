@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kern.chat_formats import REASONING_PARSERS, TOOL_PARSERS
+
 __all__ = [
     "DEFAULT_GRAMMAR_MAX_BYTES",
     "DEFAULT_GRAMMAR_TIMEOUT",
     "DEFAULT_THREADS",
     "DRAFTERS",
-    "TOOL_PARSERS",
     "KernConfig",
     "Target",
     "TomlConfigError",
@@ -99,12 +100,6 @@ _TARGET_KEYS = (
 DRAFTERS = ("ngram", "mtp")
 # parallel values (kern.engine.ranks.shard.PARALLEL; kept here so parsing imports nothing).
 PARALLEL_MODES = ("tp", "ep")
-# reasoning_parser values (kern.server.splitter.REASONING_PARSERS; kept here so parsing imports
-# nothing).
-REASONING_PARSERS = ("qwen3",)
-# tool_parser values, the first the default (kern.server.splitter.TOOL_PARSERS): the convention
-# chat answers' tool calls are written in.
-TOOL_PARSERS = ("qwen3", "kimi_k2")
 
 
 class TomlConfigError(ValueError):
@@ -135,11 +130,11 @@ class Target:
     # How ranks split the model (kern.engine.ranks.shard): "tp" or "ep".
     parallel: str = "tp"
     threads: int = DEFAULT_THREADS
-    # Split <think>...</think> into reasoning_content when serving chat (kern.server.splitter);
-    # None: off.
+    # Split the chat format's reasoning block (<think>...</think>) into reasoning_content when
+    # serving chat (kern.chat_formats.REASONING_PARSERS, kern.server.splitter); None: off.
     reasoning_parser: str | None = None
-    # The convention chat answers write tool calls in (kern.server.splitter), one of
-    # TOOL_PARSERS: Qwen3's <tool_call> blocks, or Kimi K2's tool-calls sections.
+    # The chat format answers write tool calls in, one of kern.chat_formats.TOOL_PARSERS (the
+    # first the default).
     tool_parser: str = TOOL_PARSERS[0]
     # What a served request's grammar (response_format, tools) may take to compile: CPU
     # seconds, and bytes of its schema as JSON (kern.engine.grammar_compile).

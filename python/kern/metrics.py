@@ -28,7 +28,7 @@ Design notes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -104,125 +104,141 @@ class Metrics:
         disable_created_metrics()
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        reg = self.registry
         self.gauges: dict[str, float] = dict.fromkeys(GAUGES, 0)
         # A scrape reads collectors in registration order, beside the scheduler thread. Gauges
         # first: a scrape whose gauges show a request finished also counts it (the scheduler
         # counts a finish before its step's snapshot), so "idle" never comes with stale counts.
-        reg.register(_Snapshot(self))
+        self.registry.register(_Snapshot(self))
+        # Then the families, in this order (the order /metrics lists them in).
+        family = _Families(self.registry, model_name)
+        self._count_tokens(family)
+        self._count_events(family)
+        self._count_drafts(family)
+        self._count_finishes(family)
+        self._time_requests(family)
+        self._measure_lengths(family, max_model_len)
+        self.registry.register(_Labelled(ProcessCollector(registry=None), model_name))
 
-        def counter(name: str, help_: str) -> Any:
-            return Counter(name, help_, ["model_name"], registry=reg).labels(model_name)
-
-        def histogram(name: str, help_: str, buckets) -> Any:
-            return Histogram(name, help_, ["model_name"], buckets=buckets, registry=reg).labels(
-                model_name
-            )
-
-        self.prompt_tokens = counter(
+    def _count_tokens(self, family: _Families) -> None:
+        """Prompt and generated tokens, and the prefix cache's share of the prompts."""
+        self.prompt_tokens = family.counter(
             "kern_prompt_tokens", "Prompt tokens admitted, once per request: vllm:prompt_tokens."
         )
-        self.generation_tokens = counter(
+        self.generation_tokens = family.counter(
             "kern_generation_tokens", "Tokens generated: vllm:generation_tokens."
         )
-        self.prefix_queries = counter(
+        self.prefix_queries = family.counter(
             "kern_prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache, once per request: "
             "vllm:prefix_cache_queries.",
         )
-        self.prefix_hits = counter(
+        self.prefix_hits = family.counter(
             "kern_prefix_cache_hits",
             "Prompt tokens the prefix cache supplied, once per request: vllm:prefix_cache_hits.",
         )
-        self.preemptions = counter(
+
+    def _count_events(self, family: _Families) -> None:
+        """What the scheduler did to requests, and the cache to its entries."""
+        self.preemptions = family.counter(
             "kern_num_preemptions", "Running requests preempted: vllm:num_preemptions."
         )
-        self.aborted = counter(
+        self.aborted = family.counter(
             "kern_aborted",
             "Requests ended by an abort (client hang-up, shutdown, not admissible).",
         )
-        self.parked = counter("kern_parked", "Cache entries parked to host memory.")
-        self.woken = counter("kern_woken", "Cache entries woken from host memory.")
-        self.dropped_resident = counter(
+        self.parked = family.counter("kern_parked", "Cache entries parked to host memory.")
+        self.woken = family.counter("kern_woken", "Cache entries woken from host memory.")
+        self.dropped_resident = family.counter(
             "kern_dropped_resident", "Cache entries dropped from the device."
         )
-        self.dropped_parked = counter(
+        self.dropped_parked = family.counter(
             "kern_dropped_parked", "Cache entries dropped from host memory."
         )
-        self.spec_drafts = counter(
+
+    def _count_drafts(self, family: _Families) -> None:
+        """Speculative decoding: drafts verified and accepted."""
+        self.spec_drafts = family.counter(
             "kern_spec_decode_num_drafts",
             "Verify steps of a sequence with at least one drafted token: "
             "vllm:spec_decode_num_drafts.",
         )
-        self.spec_draft_tokens = counter(
+        self.spec_draft_tokens = family.counter(
             "kern_spec_decode_num_draft_tokens",
             "Drafted tokens verified: vllm:spec_decode_num_draft_tokens.",
         )
-        self.spec_accepted_tokens = counter(
+        self.spec_accepted_tokens = family.counter(
             "kern_spec_decode_num_accepted_tokens",
             "Drafted tokens accepted (equal to the target's own token): "
             "vllm:spec_decode_num_accepted_tokens.",
         )
+
+    def _count_finishes(self, family: _Families) -> None:
+        """Finished requests, by finish reason (a child per reason)."""
         success = Counter(
             "kern_request_success",
             "Requests finished, by finish reason: vllm:request_success.",
             ["model_name", "finished_reason"],
-            registry=reg,
+            registry=family.registry,
         )
-        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
-        self.ttft = histogram(
+        self.success = {r: success.labels(family.model_name, r) for r in FINISH_REASONS}
+
+    def _time_requests(self, family: _Families) -> None:
+        """Per-token and per-request latencies."""
+        self.ttft = family.histogram(
             "kern_time_to_first_token_seconds",
             "Time to first token, from submit: vllm:time_to_first_token_seconds.",
             _TTFT_BUCKETS,
         )
-        self.itl = histogram(
+        self.itl = family.histogram(
             "kern_inter_token_latency_seconds",
             "Time between two tokens of a request, per token: vllm:inter_token_latency_seconds.",
             _ITL_BUCKETS,
         )
-        self.tpot = histogram(
+        self.tpot = family.histogram(
             "kern_request_time_per_output_token_seconds",
             "Mean time per output token after the first, per request: "
             "vllm:request_time_per_output_token_seconds.",
             _ITL_BUCKETS,
         )
-        self.e2e = histogram(
+        self.e2e = family.histogram(
             "kern_e2e_request_latency_seconds",
             "Submit to finish, per request: vllm:e2e_request_latency_seconds.",
             _REQUEST_BUCKETS,
         )
-        self.queue_time = histogram(
+        self.queue_time = family.histogram(
             "kern_request_queue_time_seconds",
             "Submit to first admission: vllm:request_queue_time_seconds.",
             _REQUEST_BUCKETS,
         )
-        self.prefill_time = histogram(
+        self.prefill_time = family.histogram(
             "kern_request_prefill_time_seconds",
             "First admission to first token: vllm:request_prefill_time_seconds.",
             _REQUEST_BUCKETS,
         )
-        self.decode_time = histogram(
+        self.decode_time = family.histogram(
             "kern_request_decode_time_seconds",
             "First token to finish: vllm:request_decode_time_seconds.",
             _REQUEST_BUCKETS,
         )
-        self.inference_time = histogram(
+        self.inference_time = family.histogram(
             "kern_request_inference_time_seconds",
             "First admission to finish: vllm:request_inference_time_seconds.",
             _REQUEST_BUCKETS,
         )
+
+    def _measure_lengths(self, family: _Families, max_model_len: int) -> None:
+        """Prompt and answer lengths of finished requests, bucketed up to the context."""
         lengths = _token_buckets(max_model_len)
-        self.prompt_len = histogram(
+        self.prompt_len = family.histogram(
             "kern_request_prompt_tokens",
             "Prompt length of finished requests: vllm:request_prompt_tokens.",
             lengths,
         )
-        self.generation_len = histogram(
+        self.generation_len = family.histogram(
             "kern_request_generation_tokens",
             "Tokens generated per finished request: vllm:request_generation_tokens.",
             lengths,
         )
-        reg.register(_Labelled(ProcessCollector(registry=None), model_name))
 
     def snapshot(
         self,
@@ -282,6 +298,23 @@ class Metrics:
         """One sample's value (0 if absent), e.g. ``value("kern_aborted_total")``."""
         got = self.registry.get_sample_value(name, {"model_name": self.model_name, **labels})
         return 0.0 if got is None else got
+
+
+class _Families:
+    """Makes the app's counters and histograms in ``registry``, each a child bound to the
+    model's ``model_name`` label."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+
+    def counter(self, name: str, help_: str) -> Any:
+        return Counter(name, help_, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def histogram(self, name: str, help_: str, buckets: Sequence[float]) -> Any:
+        return Histogram(
+            name, help_, ["model_name"], buckets=buckets, registry=self.registry
+        ).labels(self.model_name)
 
 
 class _Snapshot(Collector):

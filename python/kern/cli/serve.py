@@ -30,13 +30,12 @@ import os
 import signal
 import socket
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-import kern.cli.args as argtypes
+from kern.cli.serve_flags import add_flags
 from kern.engine.targets import FLAGS, select
 from kern.errors import UsageError
-from kern.kern_toml import DEFAULT_THREADS, REASONING_PARSERS, TOOL_PARSERS, Target
+from kern.kern_toml import Target
 from kern.server import logs
 
 if TYPE_CHECKING:
@@ -66,159 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--target) or, with neither, the embedded tiny model, over the OpenAI-compatible "
         "HTTP API.",
     )
-    what = p.add_argument_group("what to serve")
-    what.add_argument("--model", type=Path, metavar="DIR", help="a Hugging Face checkpoint folder")
-    what.add_argument("--config", type=Path, metavar="FILE", help="a kern.toml (with --target)")
-    what.add_argument("--target", metavar="NAME", help="the [targets.NAME] of --config")
-    what.add_argument(
-        "--served-model-name",
-        action="append",
-        metavar="NAME",
-        help="the model id clients send (default: the target's name, or the folder's name); "
-        "repeat it for aliases: answers report the first",
-    )
-    what.add_argument(
-        "--max-model-len",
-        type=argtypes.positive_int,
-        metavar="N",
-        help="the context a request may fill, prompt and answer (default and most: the "
-        "model's max_position_embeddings)",
-    )
-    what.add_argument(
-        "--chat-template",
-        type=Path,
-        metavar="FILE",
-        help="a Jinja chat template in place of the checkpoint's",
-    )
-    keys = p.add_argument_group(
-        "target keys", "each sets the kern.toml key of the same name (over --config's value)"
-    )
-    keys.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    keys.add_argument(
-        "--device", type=argtypes.device, metavar="DEVICE", help="cpu, cuda or cuda:N"
-    )
-    keys.add_argument(
-        "--pool-bytes",
-        type=argtypes.byte_size(1),
-        metavar="BYTES",
-        help="device budget for KV pages and states, e.g. 512MiB (default: 256MiB on the CPU, "
-        "85%% of the memory free after loading on CUDA)",
-    )
-    keys.add_argument(
-        "--host-bytes",
-        type=argtypes.byte_size(0),
-        metavar="BYTES",
-        help="host-memory tier for parked cache entries, e.g. 4GiB (default 0: none)",
-    )
-    keys.add_argument("--page-tokens", type=argtypes.positive_int, metavar="N", help="default 16")
-    keys.add_argument(
-        "--threads", type=argtypes.positive_int, metavar="N", help=f"default {DEFAULT_THREADS}"
-    )
-    keys.add_argument(
-        "--ranks",
-        type=argtypes.positive_int,
-        metavar="N",
-        help="processes that split the model, tp unless the target says (default 1)",
-    )
-    keys.add_argument(
-        "--reasoning-parser",
-        choices=REASONING_PARSERS,
-        help="split chat answers' <think>...</think> into reasoning_content (default: off)",
-    )
-    keys.add_argument(
-        "--tool-call-parser",
-        dest="tool_parser",
-        choices=TOOL_PARSERS,
-        help="the convention chat answers write tool calls in, the kern.toml key tool_parser: "
-        "qwen3's <tool_call> blocks or kimi_k2's tool-calls sections (default: qwen3)",
-    )
-    keys.add_argument(
-        "--grammar-timeout",
-        type=argtypes.seconds,
-        metavar="SECONDS",
-        help="CPU seconds a request's response_format or tools grammar may take to compile, "
-        "in a process of its own; past it the compile is killed and the request gets a 400 "
-        "(default 5)",
-    )
-    keys.add_argument(
-        "--grammar-max-bytes",
-        type=argtypes.byte_size(1),
-        metavar="BYTES",
-        help="the largest schema (as JSON) or tool list a request may ask to compile; a larger "
-        "one is a 400 (default 1MiB)",
-    )
-    keys.add_argument(
-        "--draft",
-        metavar="DRAFT",
-        help="the drafter at rows > 1: ngram, mtp (a deepseek_v3 checkpoint's own MTP layer) "
-        "or a draft checkpoint folder (default: ngram)",
-    )
-    keys.add_argument(
-        "--rows",
-        type=argtypes.positive_int,
-        metavar="R",
-        help="positions a decode step verifies per sequence: the last token and R - 1 drafts "
-        "(n-gram, the target's draft checkpoint or its MTP layer); one of the target's "
-        "declared rows (default: its widest; 1: plain decoding)",
-    )
-    keys.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="on CUDA, run decode steps op by op instead of replaying the CUDA graphs "
-        "captured at start-up (refused on the CPU, which never captures)",
-    )
-    net = p.add_argument_group("network")
-    net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    net.add_argument(
-        "--port",
-        type=argtypes.port,
-        default=8000,
-        help="port to bind (default 8000; 0: any free one)",
-    )
-    net.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file or "
-        "KERN_API_KEY)",
-    )
-    net.add_argument(
-        "--api-key-file", type=Path, metavar="FILE", help="the API key, the file's first line"
-    )
-    net.add_argument(
-        "--allowed-origins",
-        action="append",
-        metavar="ORIGIN[,ORIGIN...]",
-        help="answer CORS preflights and let browser pages of these origins (* for any) read "
-        "answers (default: none, OPTIONS is a 405)",
-    )
-    net.add_argument(
-        "--body-timeout",
-        type=argtypes.seconds,
-        default=30.0,
-        metavar="SECONDS",
-        help="time a client has to send a request body whole (default 30)",
-    )
-    net.add_argument(
-        "--shutdown-timeout",
-        type=argtypes.seconds,
-        metavar="SECONDS",
-        help="on SIGTERM/SIGINT, the time requests in flight get to finish while new ones get "
-        "a 503; what is left then ends with finish_reason abort (default: "
-        "KERN_SHUTDOWN_TIMEOUT, else 25; a second signal stops at once)",
-    )
-    log_args = p.add_argument_group("logs")
-    log_args.add_argument("--log-level", choices=logs.LEVELS, default="info", help="default info")
-    log_args.add_argument(
-        "--log-prompts", action="store_true", help="put each prompt's text in its request line"
-    )
-    log_args.add_argument(
-        "--stats-interval",
-        type=argtypes.seconds,
-        default=10.0,
-        metavar="SECONDS",
-        help="a stats line this often while busy (default 10; 0: none)",
-    )
-    log_args.add_argument("--access-log", action="store_true", help="hypercorn's access log too")
+    add_flags(p)
     p.set_defaults(func=run)
 
 
@@ -400,8 +247,9 @@ def _serve(app: App, sock: socket.socket, args: argparse.Namespace, summary: str
 
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
-        assert app.settings is not None
-        drain = Drain(app, app.settings.shutdown_timeout, stop)
+        assert app.settings is not None and app.openai is not None and app.scheduler is not None
+        timeout = app.settings.shutdown_timeout
+        drain = Drain(app.admission, app.openai.runs, app.scheduler, timeout, stop)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, drain.on_signal, sig)
         # Listening from here (a client that connects now waits in the backlog for hypercorn

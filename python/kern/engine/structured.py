@@ -24,21 +24,14 @@ Design notes
   scheduler feeds it each token produced. The grammar ends with an end-of-sequence token, so
   a finished JSON ends the answer with ``stop``.
 * The mask touches its own row only: a constrained answer is the same alone and in a batch.
-* Tool calls (:meth:`Grammars.compile_tools`) are an xgrammar structural tag in Qwen3's
-  convention: ``required`` is one or more ``<tool_call>`` blocks (one when
-  parallel_tool_calls is false), a named function exactly one block of it, ``auto`` free text
-  in which a block, once opened, must be a call of one of the tools. The arguments follow each
-  tool's parameters schema, with at most one whitespace character between JSON tokens (free
-  whitespace again). Newlines are part of the convention, so these grammars do not ban
-  control-character tokens: xgrammar's JSON string rule already excludes raw control
-  characters here.
-* In Kimi K2's convention (``tool_parser = "kimi_k2"``) the calls are one section:
-  ``<|tool_calls_section_begin|>``, per call ``<|tool_call_begin|>functions.NAME:`` an index,
-  ``<|tool_call_argument_begin|>``, the arguments and ``<|tool_call_end|>``, then
-  ``<|tool_calls_section_end|>``; ``auto`` holds a section, once opened, to calls of the tools.
-  The markers are special tokens of Kimi's tokenizer. xgrammar matches text, and the
-  vocabulary handed over holds every added token as its text (special or not, none is left
-  out), so the grammar allows a marker's token as well as the marker spelt in pieces.
+* Tool calls (:meth:`Grammars.compile_tools`) are an xgrammar structural tag in the target's
+  chat format (kern.chat_formats, each format's notes say what it enforces): ``required``
+  one or more calls (one when parallel_tool_calls is false), a named function exactly one
+  call of it, ``auto`` free text in which a call, once opened, must be a call of one of the
+  tools. The arguments follow each tool's parameters schema, with at most one whitespace
+  character between JSON tokens (free whitespace again). Newlines are part of the formats,
+  so these grammars do not ban control-character tokens: xgrammar's JSON string rule
+  already excludes raw control characters here.
 * Compiles run where :class:`Grammars` is given a budget (the server): each in a process of
   its own that is killed past the time budget, a source over the size budget refused before
   it is compiled (kern.engine.grammar_compile), neither taking the engine's thread or the
@@ -46,9 +39,9 @@ Design notes
   are refusals: a schema sent again is refused without compiling it again). Measured on 2
   cores: a new schema 15-17 ms that way against 0.8 ms in this process, a cached one about
   50 us. Without a budget (test harnesses, benchmarks) a compile runs in the caller's thread.
-* With a reasoning parser on, a constrained answer may start with a ``<think>...</think>``
-  block followed by a blank line (and must, when the prompt opened one): the constraint holds
-  for the answer, not the reasoning, as in vLLM.
+* With a reasoning parser on, a constrained answer may start with its reasoning block and the
+  blank line after it (kern.chat_formats.Reasoning.grammar), and must when the prompt opened
+  one: the constraint holds for the answer, not the reasoning, as in vLLM.
 """
 
 from __future__ import annotations
@@ -64,6 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kern.chat_formats import DEFAULT, ChatFormat, json_format
 from kern.engine.grammar_compile import (
     CompileFailed,
     CompilePool,
@@ -73,24 +67,8 @@ from kern.engine.grammar_compile import (
     build_grammar,
     reason,
 )
-from kern.engine.grammar_formats import (
-    KIMI_ARGUMENTS,
-    KIMI_CALL_BEGIN,
-    KIMI_CALL_END,
-    KIMI_SECTION_BEGIN,
-    KIMI_SECTION_END,
-    after_reasoning,
-    json_format,
-    kimi_calls,
-    qwen3_calls,
-)
 
 __all__ = [
-    "KIMI_ARGUMENTS",
-    "KIMI_CALL_BEGIN",
-    "KIMI_CALL_END",
-    "KIMI_SECTION_BEGIN",
-    "KIMI_SECTION_END",
     "GrammarBudget",
     "GrammarUnavailable",
     "Grammars",
@@ -267,7 +245,7 @@ class Grammars:
         )
         return xgrammar
 
-    def compile(self, response_format: dict[str, Any], think: str | None = None) -> Any:
+    def compile(self, response_format: dict[str, Any], think: dict[str, Any] | None = None) -> Any:
         """A compiled grammar for ``response_format`` (see :meth:`source`); None for
         ``{"type": "text"}``. Blocks until compiled. Raises :class:`StructuredOutputError`."""
         source = self.source(response_format, think)
@@ -278,18 +256,21 @@ class Grammars:
         tools: list[dict[str, Any]],
         choice: str,
         parallel: bool,
-        think: str | None,
-        tool_parser: str = "qwen3",
+        think: dict[str, Any] | None,
+        chat_format: ChatFormat = DEFAULT,
     ) -> Any:
         """The grammar of :meth:`tools_source`, compiled (blocks). Raises
         :class:`StructuredOutputError`."""
-        return self.submit(self.tools_source(tools, choice, parallel, think, tool_parser)).result()
+        return self.submit(self.tools_source(tools, choice, parallel, think, chat_format)).result()
 
-    def source(self, response_format: dict[str, Any], think: str | None = None) -> Source | None:
+    def source(
+        self, response_format: dict[str, Any], think: dict[str, Any] | None = None
+    ) -> Source | None:
         """What to compile for ``response_format`` (``{"type": "json_object"}`` or
         ``{"type": "json_schema", "json_schema": {"schema": {...}, ...}}``); None for
-        ``{"type": "text"}``. ``think``: None, or "may"/"must" start with a reasoning block.
-        Raises :class:`StructuredOutputError` (the size budget too)."""
+        ``{"type": "text"}``. ``think``: None, or the reasoning block the answer may (or must)
+        start with (kern.chat_formats.Reasoning.grammar). Raises
+        :class:`StructuredOutputError` (the size budget too)."""
         kind = response_format.get("type")
         if kind == "text":
             return None
@@ -305,7 +286,7 @@ class Grammars:
                 f"type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
             )
         if think is not None:
-            return self._tag(after_reasoning(think, json_format(schema)), "the JSON schema")
+            return self._tag(_after(think, json_format(schema)), "the JSON schema")
         return self._source("json_schema", schema, "the JSON schema", ban_controls=True)
 
     def tools_source(
@@ -313,18 +294,16 @@ class Grammars:
         tools: list[dict[str, Any]],
         choice: str,
         parallel: bool,
-        think: str | None,
-        tool_parser: str = "qwen3",
+        think: dict[str, Any] | None,
+        chat_format: ChatFormat = DEFAULT,
     ) -> Source:
         """What to compile for an answer to a request with ``tools`` (``{"name",
         "parameters"}`` each) and tool_choice ``choice``: "auto", "required" or a tool's name,
-        its calls written in ``tool_parser``'s convention ("qwen3" or "kimi_k2",
-        kern.server.splitter). Raises :class:`StructuredOutputError`."""
+        its calls written in ``chat_format`` (kern.chat_formats); ``think`` as for
+        :meth:`source`. Raises :class:`StructuredOutputError`."""
         chosen = [t for t in tools if choice in ("auto", "required") or t["name"] == choice]
-        build = kimi_calls if tool_parser == "kimi_k2" else qwen3_calls
-        return self._tag(
-            after_reasoning(think, build(chosen, choice, parallel)), "a tool's parameters schema"
-        )
+        calls = chat_format.grammar(chosen, choice, parallel)
+        return self._tag(_after(think, calls), "a tool's parameters schema")
 
     def _tag(self, fmt: dict[str, Any], what: str) -> Source:
         tag = {"type": "structural_tag", "format": fmt}
@@ -419,6 +398,13 @@ class Grammars:
 
     def matcher(self, compiled: Any) -> Matcher:
         return Matcher(self._xgr, compiled, self)
+
+
+def _after(think: dict[str, Any] | None, answer: dict[str, Any]) -> dict[str, Any]:
+    """``answer``, after the reasoning block ``think`` if there is one."""
+    if think is None:
+        return answer
+    return {"type": "sequence", "elements": [think, answer]}
 
 
 def _done(value: Any = None, *, error: BaseException | None = None) -> Future[Any]:

@@ -2,11 +2,12 @@
 types and response helpers, a leaf), ``settings``, ``openai`` (the handlers of a loaded
 model), ``prompts`` (a prompt as token ids), ``responses`` (a generation's events rendered as
 a whole answer or a stream, completions and chat), ``text`` (a choice's text), ``api`` (the
-wire types), ``splitter`` (reasoning and tool calls), ``logs``, ``cors`` (browser clients),
-``startup`` (how a failed start ends the process), and the agent protocols, each translated
+wire types), ``splitter`` (reasoning and tool calls, in the target's chat formats of
+kern.chat_formats), ``logs``, ``cors`` (browser clients), ``startup`` (how a failed start ends
+the process), ``drain`` (``kern serve``'s shutdown), and the agent protocols, each translated
 into a chat request and rendered by its own run: ``anthropic_messages`` / ``anthropic_run``
 (Anthropic's Messages API) and ``openai_responses`` / ``openai_responses_run`` (OpenAI's
-Responses API).
+Responses API, the types both name in ``openai_responses_types``).
 
 Nothing is imported here on purpose: each module is imported by name.
 

@@ -12,8 +12,11 @@ Design notes
   its ``abort`` chunk and ``[DONE]``, a whole answer is the answer so far with
   ``finish_reason: "abort"`` (never a 503: the tokens were paid for). A request that was
   still reading its body then is aborted as it submits (the abort repeats until none is left,
-  for :data:`ABORT_WAIT` seconds at most; after that the app's drain ends what remains).
+  for :data:`ABORT_WAIT` seconds at most; after that what remains is shut down, as the app's
+  drain does).
 * A second signal aborts everything at once and stops.
+* The drain is handed what it acts on, not the app: the app's :class:`Admission`, the set of
+  runs in flight (``OpenAI.runs``) and the scheduler that aborts them.
 * Under plain ``hypercorn kern.app:app`` none of this runs: hypercorn handles the signals,
   stops listening, gives open connections ``--graceful-timeout`` seconds (default 3) and
   then cancels them (a stream is cut without its ``abort`` chunk); the lifespan shutdown
@@ -29,10 +32,13 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kern.app import App
-    from kern.server.http import Scope
+    from collections.abc import Iterable
 
-__all__ = ["ABORT_WAIT", "RETRY_AFTER", "Drain", "abort_all", "retry_elsewhere"]
+    from kern.engine.scheduler import Scheduler
+    from kern.server.http import Scope
+    from kern.server.responses import Run
+
+__all__ = ["ABORT_WAIT", "RETRY_AFTER", "Admission", "Drain", "abort_all", "retry_elsewhere"]
 
 log = logging.getLogger("kern")
 
@@ -43,26 +49,55 @@ ABORT_WAIT = 5.0
 RETRY_AFTER = b"1"
 
 
-def abort_all(app: App) -> int:
-    """Abort every generation in flight through the scheduler (each ends at its next step with
+class Admission:
+    """Whether the app still admits requests (``draining`` once it stops), and the requests it
+    admitted and has not answered yet: ``inflight``, and ``idle`` set when there are none. The
+    app counts them (:meth:`enter`, :meth:`leave`, on the event loop); the drain waits on
+    them."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.inflight += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if not self.inflight:
+            self.idle.set()
+
+
+def abort_all(runs: Iterable[Run], scheduler: Scheduler) -> int:
+    """Abort every generation of ``runs`` through ``scheduler`` (each ends at its next step with
     ``abort``, its answer so far delivered); returns how many sequences were asked."""
-    if app.openai is None:
-        return 0
     n = 0
-    for run in list(app.openai.runs):
+    for run in list(runs):
         for req in run.reqs:
             if req.finish_reason is None and not req.aborted:
-                run.abort(req, "abort")
+                scheduler.abort(req, "abort")
                 n += 1
     return n
 
 
 class Drain:
     """SIGTERM/SIGINT for ``kern serve``: :meth:`on_signal` on the event loop, ``stop`` set
-    when hypercorn should stop."""
+    when hypercorn should stop. ``runs``: the generations in flight (a live set)."""
 
-    def __init__(self, app: App, timeout: float, stop: asyncio.Event) -> None:
-        self.app = app
+    def __init__(
+        self,
+        admission: Admission,
+        runs: set[Run],
+        scheduler: Scheduler,
+        timeout: float,
+        stop: asyncio.Event,
+    ) -> None:
+        self.admission = admission
+        self.runs = runs
+        self.scheduler = scheduler
         self.timeout = timeout
         self.stop = stop
         self.task: asyncio.Task[None] | None = None
@@ -71,7 +106,7 @@ class Drain:
         if self.stop.is_set():
             return
         if self.task is None:
-            busy = self.app.inflight
+            busy = self.admission.inflight
             log.info(
                 "%s: draining (%d request%s in flight, %g s at most; a second signal stops now)",
                 sig.name,
@@ -79,36 +114,38 @@ class Drain:
                 "" if busy == 1 else "s",
                 self.timeout,
             )
-            self.app.draining = True
+            self.admission.draining = True
             self.task = asyncio.get_running_loop().create_task(self._drain())
             return
-        log.info("%s again: aborting %d requests and stopping", sig.name, self.app.inflight)
+        log.info("%s again: aborting %d requests and stopping", sig.name, self.admission.inflight)
         self.task.cancel()
-        abort_all(self.app)
+        abort_all(self.runs, self.scheduler)
         self.stop.set()
 
     async def _drain(self) -> None:
         try:
-            await asyncio.wait_for(self.app.idle.wait(), self.timeout)
+            await asyncio.wait_for(self.admission.idle.wait(), self.timeout)
         except TimeoutError:
             log.info(
                 "shutdown timeout (%g s): aborting %d requests in flight",
                 self.timeout,
-                self.app.inflight,
+                self.admission.inflight,
             )
             await self._abort()
         self.stop.set()
 
     async def _abort(self) -> None:
         deadline = time.monotonic() + ABORT_WAIT
-        while self.app.inflight and time.monotonic() < deadline:
-            abort_all(self.app)
+        while self.admission.inflight and time.monotonic() < deadline:
+            abort_all(self.runs, self.scheduler)
             try:
-                await asyncio.wait_for(self.app.idle.wait(), 0.05)
+                await asyncio.wait_for(self.admission.idle.wait(), 0.05)
             except TimeoutError:
                 pass
-        if self.app.inflight:
-            self.app.drain()
+        if self.admission.inflight:
+            # What is left ends now: streams with abort, whole answers with a 503.
+            for run in list(self.runs):
+                run.shut_down()
 
 
 def retry_elsewhere(scope: Scope) -> list[tuple[bytes, bytes]]:

@@ -15,17 +15,18 @@ from concurrent.futures import Future
 from functools import partial
 from typing import TypeVar
 
+from kern.chat_formats import DEFAULT, ChatFormat, Reasoning
 from kern.engine.params import SamplingParams
 from kern.engine.request import LimitError, Request
 from kern.engine.scheduler import Scheduler
 from kern.engine.structured import Grammars, GrammarUnavailable, Source, StructuredOutputError
 from kern.server import api
 from kern.server.api import ApiError
-from kern.server.http import Marker, Receive, Send, respond
+from kern.server.http import Receive, Send, respond
 from kern.server.logs import RECORD
 from kern.server.prompts import Prompts
-from kern.server.responses import Abort, ChatRun, CompletionRun, Item, Run
-from kern.server.splitter import Splitter, opens_reasoning
+from kern.server.responses import ChatRun, CompletionRun, Item, Run
+from kern.server.splitter import Splitter
 from kern.server.text import Choice
 from kern.tokenizer import Tokenizer
 
@@ -53,8 +54,8 @@ class OpenAI:
         vocab_size: int,
         max_model_len: int,
         sampling_defaults: dict[str, float],
-        reasoning: bool,
-        tool_parser: str = "qwen3",
+        reasoning: Reasoning | None,
+        chat_format: ChatFormat = DEFAULT,
         log_prompts: bool,
         created: int,
         allow_unknown_fields: bool = False,
@@ -70,9 +71,10 @@ class OpenAI:
         self.max_model_len = max_model_len
         # The checkpoint's generation_config.json defaults (kern.checkpoint.sampling_defaults).
         self.sampling_defaults = sampling_defaults
-        # The target's reasoning parser is on; its tool-call convention (kern.server.splitter).
+        # The target's reasoning parser's block (None: off), and the chat format its answers'
+        # tool calls are in (kern.chat_formats).
         self.reasoning = reasoning
-        self.tool_parser = tool_parser
+        self.chat_format = chat_format
         # The first prompt's text goes into the request's log line.
         self.log_prompts = log_prompts
         self.created = created
@@ -183,12 +185,12 @@ class OpenAI:
         (kern.server.anthropic_messages, kern.server.openai_responses)."""
         text, prompt_ids = await self.chat_prompt(body)
         limit = body.token_limit()
-        opened = self.reasoning and opens_reasoning(text)
+        opened = self.reasoning is not None and self.reasoning.opened_by(text)
         tools = body.tool_choice_name() != "none"
         split = None
         if self.reasoning or tools:
-            kind = partial(Splitter, tool_parser=self.tool_parser)
-            split = partial(kind, reasoning=self.reasoning, tools=tools, prompt_opened=opened)
+            calls = self.chat_format if tools else None
+            split = partial(Splitter, reasoning=self.reasoning, tools=calls, prompt_opened=opened)
         await self._generate(
             body,
             [prompt_ids],
@@ -199,8 +201,8 @@ class OpenAI:
             run=run,
             split=split,
             opened=opened,
-            # Kimi's call markers are special tokens: left out of the text, no call would parse.
-            keep_special=tools and self.tool_parser == "kimi_k2",
+            # The format's call markers may be special tokens: left out, no call would parse.
+            keep_special=tools and self.chat_format.keep_special,
         )
 
     def check_model(self, model: str | None) -> None:
@@ -240,7 +242,7 @@ class OpenAI:
     async def _grammar(self, body: Body, opened: bool) -> object | None:
         """The compiled grammar of the request's response_format or tools, or None.
         ``opened``: the prompt opened a reasoning block."""
-        think = ("must" if opened else "may") if self.reasoning else None
+        think = None if self.reasoning is None else self.reasoning.grammar(opened)
         tools = isinstance(body, api.ChatCompletionRequest) and body.tool_choice_name() != "none"
         fmt = body.response_format
         if fmt is not None and fmt.get("type") != "text" and tools:
@@ -256,7 +258,7 @@ class OpenAI:
             ]
             choice, parallel = body.tool_choice_name(), body.parallel_tool_calls is not False
             source: Callable[[], Source | None] = partial(
-                self.grammars.tools_source, specs, choice, parallel, think, self.tool_parser
+                self.grammars.tools_source, specs, choice, parallel, think, self.chat_format
             )
         elif fmt is None:
             return None
@@ -340,36 +342,26 @@ class OpenAI:
         run: Callable[..., Run],
         split: Callable[[], Splitter] | None,
         opened: bool = False,  # the prompt opened a reasoning block
-        keep_special: bool = False,  # special tokens' text stays (kimi_k2's call markers)
+        keep_special: bool = False,  # special tokens' text stays (the format's call markers)
     ) -> None:
         """Check the limits, submit ``n`` sequences per prompt, answer with ``run``'s rendering
         of their events; ``split`` makes each choice's splitter (chat)."""
         sched = self.scheduler
         n = body.n or 1
-        for i, prompt_ids in enumerate(prompts):
-            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            param = param if run is CompletionRun else "messages"  # chat's prompt
-            if not prompt_ids:
-                raise ApiError(400, "the prompt encodes to no tokens", param=param)
-            limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
-            try:
-                sched.check(len(prompt_ids), limit)
-            except LimitError as e:
-                code = "context_length_exceeded"
-                raise ApiError(400, str(e), param=e.param or param, code=code) from None
+        self._check_limits(prompts, max_tokens, chat=run is not CompletionRun)
         stop_ids = frozenset(body.stop_token_ids or ())
         self.prompts.check_ids(sorted(stop_ids), "stop_token_ids")
         # The ids whose token ends a choice: their text is left out unless asked for.
         ends = stop_ids if body.ignore_eos else stop_ids | sched.eos
         if keep_special and body.skip_special_tokens:
-            msg = "true would drop the kimi_k2 tool-call markers (special tokens) from the text"
+            name = self.chat_format.name
+            msg = f"true would drop the {name} tool-call markers (special tokens) from the text"
             raise ApiError(400, f"skip_special_tokens: {msg}", param="skip_special_tokens")
         skip_special = body.skip_special_tokens is not False and not keep_special
         stops = body.stop_strings()
         grammar = await self._grammar(body, opened)
         queue: asyncio.Queue[Item] = asyncio.Queue()
-        reqs = []
-        choices = []
+        reqs, choices = [], []
         for p, prompt_ids in enumerate(prompts):
             limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
             for j in range(n):
@@ -415,17 +407,38 @@ class OpenAI:
             tokenizer=self.tokenizer,
             abort=sched.abort,
         )
+        await self._answer(rendering, receive, send)
+
+    def _check_limits(self, prompts: list[list[int]], max_tokens: int | None, chat: bool) -> None:
+        """A 400 for a prompt that is empty or whose answer would not fit (``max_tokens``
+        None: as many as fit); ``chat``: the prompt is the messages."""
+        sched = self.scheduler
+        for i, prompt_ids in enumerate(prompts):
+            param = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not prompt_ids:
+                raise ApiError(400, "the prompt encodes to no tokens", param=param)
+            limit = sched.max_tokens_for(len(prompt_ids)) if max_tokens is None else max_tokens
+            try:
+                sched.check(len(prompt_ids), limit)
+            except LimitError as e:
+                code = "context_length_exceeded"
+                raise ApiError(400, str(e), param=e.param or param, code=code) from None
+
+    async def _answer(self, rendering: Run, receive: Receive, send: Send) -> None:
+        """Submit ``rendering``'s requests and answer with it, its watcher on ``receive``
+        beside it; what has not finished when it returns is aborted."""
+        sched, reqs = self.scheduler, rendering.reqs
         record = RECORD.get()
         if record is not None:
             record.run = rendering
             if self.log_prompts:
-                record.prompt = self.tokenizer.decode(prompts[0])
+                record.prompt = self.tokenizer.decode(rendering.prompts[0])
         for r in reqs:
             sched.submit(r)
         self.runs.add(rendering)
-        watcher = asyncio.create_task(_watch(receive, reqs, queue, sched.abort))
+        watcher = asyncio.create_task(rendering.watch(receive))
         try:
-            if body.stream:
+            if rendering.body.stream:
                 await rendering.stream(send)
             else:
                 await rendering.collect(send)
@@ -435,16 +448,3 @@ class OpenAI:
             for r in reqs:
                 if r.finish_reason is None:
                     sched.abort(r)
-
-
-async def _watch(
-    receive: Receive, reqs: list[Request], queue: asyncio.Queue[Item], abort: Abort
-) -> None:
-    """Abort ``reqs`` when the client hangs up (the only way to learn it under ASGI 2.1)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            for r in reqs:
-                abort(r, "abort")
-            queue.put_nowait(Marker.HANGUP)
-            return

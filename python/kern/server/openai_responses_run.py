@@ -7,18 +7,16 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from kern.server import api
 from kern.server.http import SSE, Send
+from kern.server.openai_responses_types import ResponsesRequest, ResponseStore
 from kern.server.responses import ChatRun
-from kern.server.splitter import THINK_CLOSE, Parts
+from kern.server.splitter import Parts
 from kern.server.text import Choice
-
-if TYPE_CHECKING:
-    from kern.server.openai_responses import ResponsesRequest, ResponseStore
 
 __all__ = ["ResponsesRun"]
 
@@ -28,10 +26,12 @@ def _reasoning_tokens(ch: Choice) -> int:
     never closed)."""
     if not "".join(ch.reasoning):
         return 0
+    assert ch.split is not None and ch.split.reasoning is not None
+    close = ch.split.reasoning.close
     seen = ""
     for k, piece in enumerate(ch.pieces):
         seen += piece
-        if THINK_CLOSE in seen[-len(piece) - len(THINK_CLOSE) :]:
+        if close in seen[-len(piece) - len(close) :]:
             return k + 1
     return len(ch.ids)
 

@@ -22,7 +22,8 @@ import msgspec
 from msgspec import Struct
 
 from kern import __version__
-from kern.server import anthropic_messages, api, openai_responses
+from kern.server import anthropic_messages, api
+from kern.server.openai_responses_types import ResponsesRequest
 
 __all__ = ["ROUTES", "document"]
 
@@ -57,7 +58,7 @@ ROUTES: tuple[tuple[str, str, type | None, Answer, bool], ...] = (
     ("/detokenize", "post", api.DetokenizeRequest, api.DetokenizeResponse, False),
     ("/v1/messages", "post", anthropic_messages.MessagesRequest, "object", True),
     ("/v1/messages/count_tokens", "post", anthropic_messages.CountTokensRequest, "object", False),
-    ("/v1/responses", "post", openai_responses.ResponsesRequest, "object", True),
+    ("/v1/responses", "post", ResponsesRequest, "object", True),
     ("/v1/responses/{response_id}", "get", None, "object", False),
     ("/health", "get", None, "text", False),
     ("/metrics", "get", None, "text", False),

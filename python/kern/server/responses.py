@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from kern.engine.request import Event, Request
 from kern.server import api
-from kern.server.http import DONE, SSE, Disconnected, Marker, Send, respond, send_sse
+from kern.server.http import DONE, SSE, Disconnected, Marker, Receive, Send, respond, send_sse
 from kern.server.splitter import Parts
 from kern.server.text import Choice
 from kern.token_bytes import ByteLedger
@@ -72,6 +72,17 @@ class Run:
         whole (see kern.server.drain)."""
         self.shut = True
         self.queue.put_nowait(Marker.SHUTDOWN)
+
+    async def watch(self, receive: Receive) -> None:
+        """Abort this run's requests when the client hangs up (the only way to learn it under
+        ASGI 2.1); run beside the rendering."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                for r in self.reqs:
+                    self.abort(r, "abort")
+                self.queue.put_nowait(Marker.HANGUP)
+                return
 
     async def events(self) -> AsyncIterator[Released]:
         """Batches of (choice, text, finish) until every choice has its final event."""

@@ -9,16 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kern.chat_formats import REASONING_PARSERS, TOOL_PARSERS
 from kern.engine.targets import Selection, select
 from kern.errors import UsageError
-from kern.kern_toml import (
-    REASONING_PARSERS,
-    TOOL_PARSERS,
-    Target,
-    TomlConfigError,
-    grammar_timeout,
-    parse_bytes,
-)
+from kern.kern_toml import Target, TomlConfigError, grammar_timeout, parse_bytes
 from kern.models.config import ModelConfig
 from kern.server import logs
 from kern.server.cors import parse_origins

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kern.server.splitter import Parts, Splitter, ToolCall
+from kern.chat_formats import ToolCall
+from kern.server.splitter import Parts, Splitter
 from kern.token_bytes import ByteLedger
 from kern.tokenizer import TextStream
 
