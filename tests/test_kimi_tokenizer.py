@@ -1,4 +1,4 @@
-"""Kimi's tiktoken tokenizer read without remote code (kern.tiktoken_file): ids equal to the
+"""Kimi's tiktoken tokenizer read without remote code (kern.tokenizer.tiktoken): ids equal to the
 ``tiktoken`` package's over mixed-script text, special tokens, decoding, streaming, the chat
 template, and every refusal by name."""
 
@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kern.checkpoint.errors import CheckpointError, MissingFileError, UnsupportedTokenizerError
-from kern.tiktoken_file import NUM_SPECIAL_IDS, format_ranks, read_ranks
 from kern.tiny.tokenizer import KIMI_SPECIAL_TOKENS, learn_byte_merges, write_tiktoken_tokenizer
 from kern.tokenizer import ChatTemplateError, Tokenizer
+from kern.tokenizer.tiktoken import NUM_SPECIAL_IDS, format_ranks, read_ranks
 
 # Kimi's pat_str, as tokenization_kimi.py (Kimi-Linear, Kimi K2) writes it: the reference
 # encodings use this copy, so a change to kern's pattern cannot pass unnoticed.

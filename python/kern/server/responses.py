@@ -19,8 +19,8 @@ from kern.server import api
 from kern.server.http import DONE, SSE, Disconnected, Marker, Receive, Send, respond, send_sse
 from kern.server.splitter import Parts
 from kern.server.text import Choice
-from kern.token_bytes import ByteLedger
 from kern.tokenizer import Tokenizer
+from kern.tokenizer.bytes import ByteLedger
 
 __all__ = ["Abort", "ChatRun", "CompletionRun", "Item", "Run"]
 
@@ -61,7 +61,7 @@ class Run:
         self.tokenizer = tokenizer
         self.abort = abort
         if reqs and reqs[0].num_logprobs is not None:
-            for ch in choices:  # the bytes each token adds, for logprobs (kern.token_bytes)
+            for ch in choices:  # the bytes each token adds, for logprobs (kern.tokenizer.bytes)
                 ch.ledger = ByteLedger.of(tokenizer)
         self.id = self.prefix + uuid.uuid4().hex
         self.created = int(time.time())
@@ -333,7 +333,7 @@ class ChatRun(Run):
 
     def _logprobs(self, ch: Choice, start: int, end: int) -> api.ChatLogprobs:
         """Entries ``start:end`` of ``ch``: each token's ``bytes`` are those it adds to the
-        text (kern.token_bytes), the alternatives' their own."""
+        text (kern.tokenizer.bytes), the alternatives' their own."""
         content = []
         for k in range(start, end):
             tok, lp, top = ch.logprobs[k]

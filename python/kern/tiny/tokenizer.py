@@ -12,7 +12,7 @@ Design notes
   ``tokenizer.json``): byte-level merges learned the same way on bytes, split by Kimi's
   pattern, Kimi's special tokens at Kimi's offsets after the ranks, and a chat template in
   Kimi K2's format. ``auto_map`` names Kimi's remote code as real folders do; kern never
-  runs it (``kern.tiktoken_file`` reads the folder).
+  runs it (``kern.tokenizer.tiktoken`` reads the folder).
 """
 
 from __future__ import annotations
@@ -26,8 +26,13 @@ from typing import Any, TypeVar
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from kern.tiktoken_file import KIMI_PATTERN, KIMI_TOKENIZER_CLASS, NUM_SPECIAL_IDS, format_ranks
-from kern.token_bytes import bytes_to_unicode
+from kern.tokenizer.bytes import bytes_to_unicode
+from kern.tokenizer.tiktoken import (
+    KIMI_PATTERN,
+    KIMI_TOKENIZER_CLASS,
+    NUM_SPECIAL_IDS,
+    format_ranks,
+)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 

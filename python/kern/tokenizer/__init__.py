@@ -3,7 +3,7 @@
 Design notes
 ------------
 * A folder without ``tokenizer.json`` but with Kimi's ``tiktoken.model`` is converted to the
-  same kind of backend in memory (:mod:`kern.tiktoken_file`); no remote code runs, ever.
+  same kind of backend in memory (:mod:`kern.tokenizer.tiktoken`); no remote code runs, ever.
 * Encoding never adds special tokens by default. The Qwen families have no BOS and no
   post-processor, and a chat prompt already carries every special token it needs as text
   (``<|im_start|>`` is matched as an added token wherever it appears), so adding them again
@@ -36,31 +36,22 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-from jinja2 import Template, TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kern.checkpoint.errors import CheckpointError
-from kern.tiktoken_file import TIKTOKEN_FILE, missing_tokenizer_error, tiktoken_backend
-from kern.token_bytes import bytes_to_unicode
+from kern.tokenizer.bytes import bytes_to_unicode
+from kern.tokenizer.stream import TextStream
+from kern.tokenizer.template import ChatTemplateError, compile_chat_template
+from kern.tokenizer.tiktoken import TIKTOKEN_FILE, missing_tokenizer_error, tiktoken_backend
 
 __all__ = ["ChatTemplateError", "TextStream", "Tokenizer", "compile_chat_template"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # Characters above which encode() takes the GIL-releasing path.
 _LONG_TEXT = 16_384
-
-
-class ChatTemplateError(ValueError):
-    """The chat template is missing, does not compile, or refused the messages.
-
-    A server answers it with a 400: it is the request (or the checkpoint) that is wrong.
-    """
 
 
 class Tokenizer:
@@ -115,7 +106,7 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path, *, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
         """Load a folder's ``tokenizer.json`` (or else Kimi's ``tiktoken.model``, see
-        :mod:`kern.tiktoken_file`) and ``tokenizer_config.json`` (optional with the former).
+        :mod:`kern.tokenizer.tiktoken`) and ``tokenizer_config.json`` (optional with the former).
 
         Raises :class:`~kern.checkpoint.errors.MissingFileError` without either tokenizer file and
         :class:`~kern.checkpoint.errors.CheckpointError` for a file that does not parse.
@@ -318,59 +309,6 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
 
-class TextStream:
-    """Incremental detokenization of one sequence, for streaming answers.
-
-    ``step(id)`` returns the text that id releases: everything decoded so far except a
-    trailing U+FFFD, which may be a multi-byte character still incomplete (byte-level BPE
-    splits them) and is held back until the next token completes it, shows it invalid, or
-    :meth:`finish` ends the sequence. ``finish()`` returns what is still held, so the
-    concatenation of every ``step`` and ``finish`` is exactly ``decode`` of all ids, the text
-    ``kern run`` prints: an answer that ends inside a character ends with U+FFFD there too.
-    Mutable; one per sequence.
-
-    Each step decodes a short window (the ids since the last time nothing was held, plus
-    :data:`_CONTEXT` ids before them, so decoders that treat a sequence's first token
-    specially see the same neighbours) and returns what lies past the part already returned.
-    ``tokenizers``' own ``DecodeStream`` was dropped: it holds everything while the text ends in
-    U+FFFD and has no way to flush what it holds at the end, so an answer ending inside a
-    character lost its last bytes.
-    """
-
-    _CONTEXT = 4
-
-    def __init__(self, backend: tokenizers.Tokenizer, *, skip_special_tokens: bool) -> None:
-        self._tok = backend
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._start = 0  # the window: self._ids[self._start:]
-        self._sent = 0  # characters of the window's text already returned
-
-    def step(self, token_id: int) -> str:
-        if token_id < 0:
-            raise ValueError(f"token id {token_id} is negative")
-        self._ids.append(token_id)
-        text = self._decode()
-        end = len(text) - 1 if text.endswith("\ufffd") else len(text)
-        out = text[self._sent : end]
-        self._sent = max(self._sent, end)
-        if end == len(text) and len(self._ids) - self._start > 2 * self._CONTEXT:
-            # Nothing held: slide the window so each step decodes a bounded number of ids.
-            self._start = len(self._ids) - self._CONTEXT
-            self._sent = len(self._decode())
-        return out
-
-    def finish(self) -> str:
-        """The text still held back (a trailing U+FFFD, or ""). The stream may go on after."""
-        text = self._decode()
-        out = text[self._sent :]
-        self._sent = len(text)
-        return out
-
-    def _decode(self) -> str:
-        return self._tok.decode(self._ids[self._start :], skip_special_tokens=self._skip)
-
-
 def _byte_level_table(backend: tokenizers.Tokenizer) -> dict[str, int]:
     """Byte-level BPE's character -> byte map (GPT-2's printable stand-ins for the 256 bytes),
     or {} when the decoder is not byte-level."""
@@ -394,43 +332,3 @@ def _read_template(path: Path, config: dict[str, Any], config_file: Path) -> str
             return named["default"]
         raise CheckpointError(f"{config_file}: chat_template list has no 'default' template")
     raise CheckpointError(f"{config_file}: field 'chat_template' must be a string or a list")
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(f"chat template refused the messages: {message}")
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators=None,
-    sort_keys: bool = False,
-) -> str:
-    # jinja2's own tojson escapes HTML characters and ASCII-fies text; templates written for
-    # transformers expect plain json.dumps output.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def compile_chat_template(source: str, where: str) -> Template:
-    """``source`` compiled as a chat template; :class:`ChatTemplateError` naming ``where``."""
-    try:
-        return _environment().from_string(source)
-    except TemplateError as e:
-        raise ChatTemplateError(f"{where}: chat template does not compile: {e}") from e
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env

@@ -20,10 +20,9 @@ from __future__ import annotations
 import json
 import weakref
 from bisect import bisect_right
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kern.tokenizer import Tokenizer
+import tokenizers
 
 __all__ = ["ByteLedger", "TokenBytes", "bytes_to_unicode"]
 
@@ -43,6 +42,13 @@ def bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+class Tokenizer(Protocol):
+    """What the byte tables read of a tokenizer (``kern.tokenizer.Tokenizer``'s backend)."""
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer: ...
 
 
 class TokenBytes:
