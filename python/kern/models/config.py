@@ -33,6 +33,7 @@ from kern.checkpoint.fields import Fields
 
 __all__ = [
     "LAYER_TYPES",
+    "PER_HEAD",
     "Delta",
     "Experts",
     "CommonDefaults",
@@ -175,12 +176,16 @@ class ModelConfig:
         return self.layer_types[layer_id] == "linear_attention"
 
 
+# CommonDefaults.head_dim: hidden_size // num_attention_heads.
+PER_HEAD = "hidden_size // num_attention_heads"
+
+
 @dataclass(frozen=True)
 class CommonDefaults:
     """What a family's files may leave out of the common fields, as transformers fills it."""
 
     kv_heads: int | None  # None: num_attention_heads
-    head_dim: int | None  # None: hidden_size // num_attention_heads
+    head_dim: Any  # an int (or the file's value of another field, checked as head_dim), PER_HEAD
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
     intermediate_size: bool = True  # False: the file has no dense width (read as 0)
@@ -208,7 +213,7 @@ def common_fields(
             f"{where}: num_attention_heads ({heads}) must be a multiple of "
             f"num_key_value_heads ({kv_heads})"
         )
-    head_dim_default = hidden // heads if d.head_dim is None else d.head_dim
+    head_dim_default = hidden // heads if d.head_dim == PER_HEAD else d.head_dim
     hidden_act = f.text("hidden_act", default="silu")
     if hidden_act != "silu":
         raise UnsupportedModelError(f"{where}: hidden_act {hidden_act!r} is not supported (silu)")

@@ -11,6 +11,7 @@ from kern.checkpoint.errors import ConfigFieldError
 from kern.checkpoint.fields import Fields
 from kern.models import shapes
 from kern.models.config import (
+    PER_HEAD,
     CommonDefaults,
     Experts,
     ModelConfig,
@@ -31,7 +32,7 @@ class Qwen3MoeFields:
 
 def read_config(f: Fields, raw: dict[str, Any]) -> ModelConfig:
     """A qwen3_moe config (``f``: its fields, ``raw``: the whole file)."""
-    common = common_fields(f, raw, "qwen3_moe", CommonDefaults(kv_heads=4, head_dim=None))
+    common = common_fields(f, raw, "qwen3_moe", CommonDefaults(kv_heads=4, head_dim=PER_HEAD))
     refuse_sliding_window(f)
     n = common["num_hidden_layers"]
     where = f.where
