@@ -111,6 +111,32 @@ def test_fresh_sequence_clears_its_slot(qwen3_5):
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "deepseek_v4"])
+def test_taps_keep_the_layers_outputs_and_change_no_logit(tiny, family):
+    """A drafter that reads several layers' hidden states (Runner.tap) gets each tapped
+    layer's output of every row; the last layer's, through the final norm, is what
+    keep_hidden keeps; the logits are the same bits with taps on or off."""
+    ckpt = tiny(family)
+    n = ckpt.config.num_hidden_layers
+    batch = [SeqChunk([3, 1, 4, 1, 5], 0, [0], slot=0), SeqChunk([9, 2], 0, [1], slot=1)]
+    plain = Runner.with_pages(ckpt, num_pages=4, page_tokens=PAGE, num_slots=2)
+    want = plain.forward(batch)
+    r = Runner.with_pages(ckpt, num_pages=4, page_tokens=PAGE, num_slots=2)
+    r.tap([0, n - 1])
+    r.keep_hidden = True
+    got = r.forward(batch)
+    assert torch.equal(got, want)
+    assert sorted(r.layer_hidden) == [0, n - 1]
+    assert r.layer_hidden[0].shape[0] == 7 and not torch.equal(
+        r.layer_hidden[0], r.layer_hidden[n - 1]
+    )
+    if family != "deepseek_v4":  # V4's layers output hyper-connection streams
+        assert r.hidden is not None
+        assert torch.equal(r.model.final_hidden(r.layer_hidden[n - 1]), r.hidden)
+    with pytest.raises(ValueError, match="layers to tap"):
+        r.tap([n])
+
+
 def test_copy_pages_and_slots(qwen3_5):
     r = Runner.with_pages(qwen3_5, num_pages=6, page_tokens=PAGE, num_slots=3)
     r.forward([SeqChunk(list(range(20)), 0, [0, 1], slot=0, logits="none")])

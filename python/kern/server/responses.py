@@ -20,7 +20,7 @@ from kern.server.http import DONE, SSE, Disconnected, Marker, Receive, Send, res
 from kern.server.splitter import Parts
 from kern.server.text import Choice
 from kern.tokenizer import Tokenizer
-from kern.tokenizer.bytes import ByteLedger
+from kern.tokenizer.token_bytes import ByteLedger
 
 __all__ = ["Abort", "ChatRun", "CompletionRun", "Item", "Run"]
 
@@ -61,7 +61,8 @@ class Run:
         self.tokenizer = tokenizer
         self.abort = abort
         if reqs and reqs[0].num_logprobs is not None:
-            for ch in choices:  # the bytes each token adds, for logprobs (kern.tokenizer.bytes)
+            # The bytes each token adds, for logprobs (kern.tokenizer.token_bytes).
+            for ch in choices:
                 ch.ledger = ByteLedger.of(tokenizer)
         self.id = self.prefix + uuid.uuid4().hex
         self.created = int(time.time())
@@ -333,7 +334,7 @@ class ChatRun(Run):
 
     def _logprobs(self, ch: Choice, start: int, end: int) -> api.ChatLogprobs:
         """Entries ``start:end`` of ``ch``: each token's ``bytes`` are those it adds to the
-        text (kern.tokenizer.bytes), the alternatives' their own."""
+        text (kern.tokenizer.token_bytes), the alternatives' their own."""
         content = []
         for k in range(start, end):
             tok, lp, top = ch.logprobs[k]

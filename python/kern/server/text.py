@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from kern.chat_formats import ToolCall
 from kern.server.splitter import Parts, Splitter
 from kern.tokenizer import TextStream
-from kern.tokenizer.bytes import ByteLedger
+from kern.tokenizer.token_bytes import ByteLedger
 
 __all__ = ["Choice", "LogprobItem"]
 
@@ -51,7 +51,7 @@ class Choice:
     split: Splitter | None = None
     reasoning: list[str] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
-    # With logprobs: the bytes each token adds to the text (kern.tokenizer.bytes).
+    # With logprobs: the bytes each token adds to the text (kern.tokenizer.token_bytes).
     ledger: ByteLedger | None = None
 
     def parts(self, text: str, final: bool) -> Parts:

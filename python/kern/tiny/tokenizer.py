@@ -26,13 +26,13 @@ from typing import Any, TypeVar
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from kern.tokenizer.bytes import bytes_to_unicode
 from kern.tokenizer.tiktoken import (
     KIMI_PATTERN,
     KIMI_TOKENIZER_CLASS,
     NUM_SPECIAL_IDS,
     format_ranks,
 )
+from kern.tokenizer.token_bytes import bytes_to_unicode
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 

@@ -42,10 +42,10 @@ from typing import Any
 import tokenizers
 
 from kern.checkpoint.errors import CheckpointError
-from kern.tokenizer.bytes import bytes_to_unicode
 from kern.tokenizer.stream import TextStream
 from kern.tokenizer.template import ChatTemplateError, compile_chat_template
 from kern.tokenizer.tiktoken import TIKTOKEN_FILE, missing_tokenizer_error, tiktoken_backend
+from kern.tokenizer.token_bytes import bytes_to_unicode
 
 __all__ = ["ChatTemplateError", "TextStream", "Tokenizer", "compile_chat_template"]
 
