@@ -6,6 +6,7 @@ non-zero with a summary. The gate itself runs in scripts/test."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -183,6 +184,54 @@ def test_a_failed_gate_exits_non_zero_with_a_summary(tmp_path, monkeypatch):
     assert "Result: FAIL" in md and "skip: needs a GPU" in md
     # The GPU target alone is skipped, not failed: exit 0.
     assert e2e.main(["--config", str(config), "--targets", "gpu", "--out", str(out)]) == 0
+
+
+def test_jobs_gate_targets_at_once_and_report_them_in_order(tmp_path, monkeypatch):
+    config = tmp_path / "kern.toml"
+    config.write_text("".join(f'[targets.t{i}]\ncheckpoint = "missing{i}"\n' for i in range(3)))
+    out = tmp_path / "out"
+    assert e2e.main(["--config", str(config), "--out", str(out), "--jobs", "2"]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert [t["name"] for t in summary["targets"]] == ["t0", "t1", "t2"]
+    assert all("missing" in t["scenarios"][0]["failures"][0] for t in summary["targets"])
+    assert e2e.main(["--config", str(config), "--out", str(out), "--jobs", "0"]) == 2
+
+
+def test_many_kern_runs_in_one_process_answer_as_the_command_does(tmp_path):
+    """kern_runs.py (the oracle's batch): each command line through kern's entry point gives
+    the JSON the `kern run` command prints, a failing one its exit code and error."""
+    from kern.tiny import default_model_path
+
+    model = str(default_model_path())
+    runs = [
+        ["run", "--model", model, "--prompt", "The quick brown fox", "--steps", "6", "--json"],
+        ["run", "--model", model, "--prompt-ids", "5,6,7", "--steps", "4", "--rows", "3", "--json"],
+        ["run", "--model", model, "--prompt", "x", "--steps", "0", "--json"],
+    ]
+    lines = "".join(json.dumps(r) + "\n" for r in runs)
+    script = Path(__file__).resolve().parents[1] / "tools" / "e2e" / "kern_runs.py"
+    done = subprocess.run(
+        [sys.executable, str(script)], input=lines, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    got = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(got) == 3
+    for argv, res in zip(runs[:2], got, strict=False):
+        alone = subprocess.run(
+            [sys.executable, "-m", "kern.cli", *argv], capture_output=True, text=True, timeout=300
+        )
+        assert alone.returncode == 0 and res["rc"] == 0, (alone.stderr, res["err"])
+        assert json.loads(res["out"]) == json.loads(alone.stdout)
+    assert got[2]["rc"] == 2 and "--steps" in got[2]["err"] and got[2]["out"] == ""
+
+
+def test_prefetch_needs_the_installed_kern(tmp_path, fake_kern):
+    """With another kern command (the fake here) answers run one by one, when asked for."""
+    kern, log = fake_kern
+    o = _oracle(kern, tmp_path, Target(name="t", checkpoint=_checkpoint(tmp_path)))
+    o.prefetch([([1, 2], 3, 1, False), ("hi", 3, 1, True)])
+    assert _calls(log) == [] and o.num_batches == 0
+    assert o.answer([1, 2], 3, 1).ids == [7, 8, 9] and len(_calls(log)) == 1
 
 
 def test_result_counts_cached_tokens():

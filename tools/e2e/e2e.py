@@ -10,6 +10,7 @@ the config (an unknown target name is one). See README.md beside this file.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -19,6 +20,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from http_client import Client, ServerProcess
@@ -82,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="limit for each kern command, server start and request (default 900)",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="targets gated at once (default 1); each target's lines are printed when it ends",
+    )
     return p
 
 
@@ -127,22 +136,30 @@ def _gate(args: argparse.Namespace, kern: list[str]) -> int:
         for line in make_missing(kern, recipes, needed):
             _log(line)
 
+    if args.jobs < 1:
+        raise UsageError(f"--jobs {args.jobs}: at least 1")
     kern_id = kern_fingerprint()
-    gpu: list[bool] = []
-    reports = []
-    for target in targets:
-        report = TargetReport(target.name, _family(target), target.device)
-        reports.append(report)
-        _log(f"{target.name}: {report.family}, {target.device}")
-        if target.device.startswith("cuda"):
-            if not gpu:
-                gpu.append(_has_gpu())
-            if not gpu[0]:
-                report.skipped = f"needs a GPU ({target.device}); this machine has none"
-                report.results = [Result(s, status="skip") for s in SCENARIOS]
-                _log(f"  skipped: {report.skipped}")
-                continue
-        report.results = _run_target(args, kern, config.path, target, kern_id, cache, out)
+    gpu = any(t.device.startswith("cuda") for t in targets) and _has_gpu()
+    reports = [TargetReport(t.name, _family(t), t.device) for t in targets]
+
+    def gate_one(target: Target, report: TargetReport) -> None:
+        # One target's lines together: with --jobs above 1, printed when it ends.
+        lines: list[str] = []
+        log = _log if args.jobs == 1 else lines.append
+        log(f"{target.name}: {report.family}, {target.device}")
+        if target.device.startswith("cuda") and not gpu:
+            report.skipped = f"needs a GPU ({target.device}); this machine has none"
+            report.results = [Result(s, status="skip") for s in SCENARIOS]
+            log(f"  skipped: {report.skipped}")
+        else:
+            report.results = _run_target(args, kern, config.path, target, kern_id, cache, out, log)
+        for line in lines:
+            _log(line)
+
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        # Waited for in order: an exception in one target's thread is raised here.
+        for done in [pool.submit(gate_one, t, r) for t, r in zip(targets, reports, strict=True)]:
+            done.result()
 
     head = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -169,6 +186,7 @@ def _run_target(
     kern_id: str,
     cache: Path | None,
     out: Path,
+    log: Callable[[str], None],
 ) -> list[Result]:
     work = out / target.name
     work.mkdir(parents=True, exist_ok=True)
@@ -180,7 +198,7 @@ def _run_target(
     else:
         results = [run_kern_test(kern, config, target.name, args.timeout)]
     first = results[0].failures[:1]
-    _log(f"  kern test: {results[0].status}" + (f" ({first[0]})" if first else ""))
+    log(f"  kern test: {results[0].status}" + (f" ({first[0]})" if first else ""))
     oracle = Oracle(
         kern,
         config,
@@ -190,13 +208,13 @@ def _run_target(
         work_dir=work,
         timeout=args.timeout,
     )
-    gate = TargetGate(oracle, chat_template=_has_chat_template(target), log=_log)
+    gate = TargetGate(oracle, chat_template=_has_chat_template(target), log=log)
     rest = SCENARIOS[1:]
     try:
         gate.prepare()
         if target.ranks > 1:
             results.append(across_rank_counts(gate))
-            _log(f"  {results[-1].scenario}: {results[-1].notes[0]}")
+            log(f"  {results[-1].scenario}: {results[-1].notes[0]}")
         with ServerProcess(
             kern, config, target.name, work / "serve.log", start_limit=args.timeout
         ) as server:
@@ -205,11 +223,11 @@ def _run_target(
     except (KernRunError, RuntimeError, TimeoutError, OSError) as e:
         done = {r.scenario for r in results}
         why = f"{type(e).__name__}: {e}"
-        _log(f"  failed: {why}")
+        log(f"  failed: {why}")
         results += [Result(s, status="fail", failures=[why]) for s in rest if s not in done]
-    _log(
-        f"  kern run: {oracle.num_runs} run, {oracle.num_cached} from the cache, "
-        f"{oracle.num_probes} probes"
+    log(
+        f"  kern run: {oracle.num_runs} run ({oracle.num_batches} batched runs of several), "
+        f"{oracle.num_cached} from the cache, {oracle.num_probes} probes"
     )
     return results
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 from oracle import Oracle, Reference
 from scenarios import STEPS, Result, TargetGate
@@ -37,8 +36,8 @@ class OneRankOracle(Oracle):
             timeout=oracle.timeout,
         )
 
-    def _run(self, args: list[str]) -> dict[str, Any]:
-        return super()._run([*args, "--ranks", "1"])
+    def _argv(self, args: list[str]) -> list[str]:
+        return [*super()._argv(args), "--ranks", "1"]
 
 
 def across_rank_counts(gate: TargetGate) -> Result:
@@ -46,6 +45,7 @@ def across_rank_counts(gate: TargetGate) -> Result:
     res = Result(SCENARIO)
     t0 = time.monotonic()
     one = OneRankOracle(gate.oracle)
+    one.prefetch([(req.prompt, STEPS, gate.rows, req.chat) for req in gate.prompts])
     identical = 0
     first: str | None = None
     for i, (req, ref) in enumerate(zip(gate.prompts, gate.refs, strict=True)):

@@ -145,8 +145,26 @@ class TargetGate:
         self.peak: dict[str, float] = {}
 
     def prepare(self) -> None:
-        """`kern run`'s answers to the twelve prompts (before the server takes the machine)."""
+        """`kern run`'s answers to the twelve prompts (before the server takes the machine),
+        and those the scenarios will ask for when the server answers as `kern run` does:
+        the prompts at rows 1 (a speculative target's rows scenario) and the next turns built
+        from the answers (a divergence asks for its own when it happens)."""
+        wanted = [(p.prompt, STEPS, self.rows, p.chat) for p in self.prompts]
+        if self.rows > 1:
+            wanted += [(p.prompt, STEPS, 1, p.chat) for p in self.prompts]
+        self.oracle.prefetch(wanted)
         self.refs = [self.reference(p) for p in self.prompts]
+        if self.target.ranks == 1:
+            self.oracle.prefetch([(turn, STEPS, self.rows, False) for turn in self._turns()])
+
+    def _turns(self) -> list[list[int]]:
+        """The next turns (as ids) of repeat + next turn and of park + wake, built from
+        `kern run`'s answers (the served ones, where they are identical)."""
+        refs = self.refs
+        pairs = [(COMPLETION[0], COMPLETION[1])]
+        if self.target.host_bytes:
+            pairs += [(i, COMPLETION[4]) for i in COMPLETION[2:4]]
+        return [refs[i].prompt_ids + refs[i].ids + refs[j].prompt_ids for i, j in pairs]
 
     # --- helpers ----------------------------------------------------------------------------
 
