@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from kern.backend import Ops, make_ops
-from kern.batch import build_step, validate
+from kern.batch import Step, build_step, validate
 from kern.checkpoint.load import Checkpoint
 from kern.chunk import SeqChunk
 from kern.engine.arena import Arena, Placement, land
@@ -99,7 +99,9 @@ class Runner:
         self.config = c = checkpoint.config
         self.layout = layout
         # The family's model, or one the caller built (a drafter's: the MTP layer).
-        self.model = model or registry.of(c).build_model(ops, c, checkpoint.tensors)
+        self.model = (
+            model if model is not None else registry.of(c).build_model(ops, c, checkpoint.tensors)
+        )
         self.device = ops.device
         self.dtype = ops.dtype
         self.page_tokens = layout.page_tokens
@@ -224,7 +226,7 @@ class Runner:
             self.layer_hidden = caches.taps  # type: ignore[assignment]
         return self.model.logits(hidden[step.logit_rows])
 
-    def _plan_states(self, batch: Sequence[SeqChunk], step: Any, caches: Caches) -> object:
+    def _plan_states(self, batch: Sequence[SeqChunk], step: Step, caches: Caches) -> object:
         """The recurrent mixers' plan; clears the slots of chunks that start a sequence, and
         points ``caches`` at the states (and, for verify chunks, at per-row snapshots)."""
         assert self.conv_states is not None and self.delta_states is not None
