@@ -76,6 +76,14 @@ def test_cuda_defaults_to_bfloat16(tmp_path):
         ("[targets.a]\ncheckpoint = 3\n", "targets.a.checkpoint: expected a string"),
         ("targets = 3\n", "'targets' must be tables"),
         ("[targets\n", "not valid TOML"),
+        (
+            '[targets.a]\ncheckpoint = "c"\nallow_unknown_fields = 1\n',
+            "targets.a.allow_unknown_fields: expected true or false",
+        ),
+        (
+            '[targets.a]\ncheckpoint = "c"\nhosted_tools = "run"\n',
+            "targets.a.hosted_tools: 'run' is not one of refuse, drop",
+        ),
     ],
 )
 def test_errors_name_the_file_and_key(tmp_path, body, message):
@@ -94,3 +102,11 @@ def test_unknown_target_names_the_known_ones(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_toml_config(tmp_path / "nope.toml")
+
+
+def test_agent_keys(tmp_path):
+    body = '[targets.a]\ncheckpoint = "c"\nallow_unknown_fields = true\nhosted_tools = "drop"\n'
+    target = load_toml_config(write(tmp_path, body)).target("a")
+    assert target.allow_unknown_fields is True and target.hosted_tools == "drop"
+    plain = load_toml_config(write(tmp_path, '[targets.a]\ncheckpoint = "c"\n')).target("a")
+    assert plain.allow_unknown_fields is False and plain.hosted_tools == "refuse"

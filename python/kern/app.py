@@ -181,7 +181,8 @@ class App:
             chat_format=FORMATS[target.tool_parser],
             log_prompts=self.settings.log_prompts,
             created=self.created,
-            allow_unknown_fields=self.settings.allow_unknown_fields,
+            allow_unknown_fields=self.settings.allow_unknown_fields or target.allow_unknown_fields,
+            hosted_tools=target.hosted_tools,
         )
         return scheduler
 
@@ -368,6 +369,7 @@ class App:
 
     async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._body(scope, receive)
+        anthropic_messages.note_betas(scope["headers"])
         await anthropic_messages.create(self._handlers, body, receive, send)
 
     async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -17,6 +17,8 @@ reasoning_parser = "qwen3"         # chat answers' <think> block -> reasoning_co
 tool_parser = "qwen3"              # chat answers' tool calls: "qwen3" (default) or "kimi_k2"
 grammar_timeout = 5                # CPU seconds one response_format / tools grammar may compile
 grammar_max_bytes = "1MiB"         # the largest schema (as JSON) a request may ask to compile
+allow_unknown_fields = false       # an unknown request field: a warning naming it, not a 400
+hosted_tools = "refuse"            # a vendor-hosted tool (web_search, ...): "refuse" or "drop"
 ```
 
 Unknown keys and unknown target names are errors naming the key (or target) and the file: a
@@ -45,6 +47,7 @@ __all__ = [
     "DEFAULT_GRAMMAR_TIMEOUT",
     "DEFAULT_THREADS",
     "DRAFTERS",
+    "HOSTED_TOOLS",
     "KernConfig",
     "Target",
     "TomlConfigError",
@@ -94,7 +97,12 @@ _TARGET_KEYS = (
     "tool_parser",
     "grammar_timeout",
     "grammar_max_bytes",
+    "allow_unknown_fields",
+    "hosted_tools",
 )
+# hosted_tools values: a request naming a tool only its vendor runs (the Responses API's
+# web_search, ...) is refused naming it, or served without it and a warning naming it.
+HOSTED_TOOLS = ("refuse", "drop")
 # draft values that name no checkpoint: n-gram lookup, the target's own MTP layer (a folder
 # of either name is written "./mtp").
 DRAFTERS = ("ngram", "mtp")
@@ -140,6 +148,12 @@ class Target:
     # seconds, and bytes of its schema as JSON (kern.engine.grammar_compile).
     grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT
     grammar_max_bytes: int = DEFAULT_GRAMMAR_MAX_BYTES
+    # An unknown field of a served request (any POST route, nested ones too): a warning
+    # naming it instead of a 400 naming it (kern.server.api.decode).
+    allow_unknown_fields: bool = False
+    # A request's vendor-hosted tools (kern.server.openai_responses): "refuse" names them in
+    # a 400, "drop" serves without them and names them in a warning.
+    hosted_tools: str = HOSTED_TOOLS[0]
     # The rows this command decodes at (``--rows``, ``KERN_ROWS``); None: the widest declared.
     chosen_rows: int | None = None
     # Where each key was set, for errors: "kern.toml: targets.x.pool_bytes", "--pool-bytes".
@@ -250,6 +264,14 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         raise TomlConfigError(
             f"{where}.tool_parser: {tool_parser!r} is not one of {', '.join(TOOL_PARSERS)}"
         )
+    allow_unknown = table.get("allow_unknown_fields", False)
+    if not isinstance(allow_unknown, bool):
+        raise TomlConfigError(f"{where}.allow_unknown_fields: expected true or false")
+    hosted = table.get("hosted_tools", HOSTED_TOOLS[0])
+    if hosted not in HOSTED_TOOLS:
+        raise TomlConfigError(
+            f"{where}.hosted_tools: {hosted!r} is not one of {', '.join(HOSTED_TOOLS)}"
+        )
     return Target(
         name=name,
         # Relative paths are relative to the file, so a config works from any directory.
@@ -274,6 +296,8 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
             f"{where}.grammar_max_bytes",
             minimum=1,
         ),
+        allow_unknown_fields=allow_unknown,
+        hosted_tools=hosted,
         origin={key: f"{where}.{key}" for key in _TARGET_KEYS},
     )
 

@@ -60,10 +60,12 @@ KEEP_ALIVE_SECONDS = 10.0
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve the OpenAI-compatible API (see docs/serve.md)",
+        help="serve the OpenAI- and Anthropic-compatible API (see docs/serve.md)",
         description="Serve a checkpoint folder (--model), a kern.toml target (--config and "
-        "--target) or, with neither, the embedded tiny model, over the OpenAI-compatible "
-        "HTTP API.",
+        "--target) or, with neither, the embedded tiny model, over HTTP: OpenAI's "
+        "/v1/chat/completions, /v1/completions and /v1/responses (Codex CLI, the openai "
+        "Agents SDK), Anthropic's /v1/messages (Claude Code, the anthropic SDK), /v1/models, "
+        "/tokenize, /detokenize, /health and /metrics. Coding agents: docs/agents.md.",
     )
     add_flags(p)
     p.set_defaults(func=run)
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     template = None if file is None else read_chat_template(file, f"--chat-template {file}")
     # The app imports the engine and torch: only once the target is known to be runnable.
     from kern.app import App
-    from kern.server.settings import Settings, api_key, shutdown_timeout
+    from kern.server.settings import Settings, api_key, shutdown_timeout, unknown_fields_env
 
     key = api_key(args.api_key, args.api_key_file)
     if args.api_key is not None:
@@ -126,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             chat_template=template,
             served_model_names=names,
             allowed_origins=origins,
+            allow_unknown_fields=unknown_fields_env(os.environ),
         )
     )
     try:

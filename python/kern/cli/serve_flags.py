@@ -8,7 +8,7 @@ from pathlib import Path
 
 import kern.cli.args as argtypes
 from kern.chat_formats import DEFAULT, FORMATS, REASONING_PARSERS, TOOL_PARSERS
-from kern.kern_toml import DEFAULT_THREADS
+from kern.kern_toml import DEFAULT_THREADS, HOSTED_TOOLS
 from kern.server import logs
 
 __all__ = ["add_flags"]
@@ -108,6 +108,21 @@ def _target_keys(p: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="the largest schema (as JSON) or tool list a request may ask to compile; a larger "
         "one is a 400 (default 1MiB)",
+    )
+    keys.add_argument(
+        "--allow-unknown-fields",
+        action="store_const",
+        const=True,
+        help="a request field kern does not know (on any POST route, nested fields too) is "
+        "dropped and named in a warning instead of refused with a 400 naming it; also "
+        "KERN_ALLOW_UNKNOWN_FIELDS=1 (default: refused)",
+    )
+    keys.add_argument(
+        "--hosted-tools",
+        choices=HOSTED_TOOLS,
+        help="a tool only its vendor runs (the Responses API's web_search, file_search, ...): "
+        "refuse names it in a 400, drop serves without it and names it in a warning "
+        "(default: refuse)",
     )
     keys.add_argument(
         "--draft",

@@ -70,6 +70,8 @@ FLAGS = {
     "draft": "--draft",
     "grammar_timeout": "--grammar-timeout",
     "grammar_max_bytes": "--grammar-max-bytes",
+    "allow_unknown_fields": "--allow-unknown-fields",
+    "hosted_tools": "--hosted-tools",
 }
 
 

@@ -24,6 +24,7 @@ Design notes
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -232,7 +233,7 @@ class _Sampling(Struct, kw_only=True):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class CompletionRequest(_Sampling, kw_only=True):
+class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     # One prompt (text or ids) or a batch (texts or id lists), checked in __post_init__:
     # msgspec takes one array-like type per union.
     prompt: str | Annotated[list[str | int | list[TokenId]], Meta(min_length=1)]
@@ -278,8 +279,20 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 
 class TextPart(Struct, kw_only=True):
-    type: Literal["text"]
-    text: str
+    # Checked below rather than as a Literal: an image's part gets a 400 that says so.
+    type: str
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.type in ("image_url", "input_audio", "file", "image", "input_image"):
+            raise ValueError(
+                f"a content part of type {self.type!r} is not supported: kern serves text "
+                "models (images, audio and files are not supported)"
+            )
+        if self.type != "text":
+            raise ValueError(f"a content part of type {self.type!r} is not supported (only text)")
+        if self.text is None:
+            raise ValueError("a text part needs text")
 
 
 # OpenAI's rule for function names (letters, digits, underscores, dashes; at most 64), with
@@ -359,7 +372,7 @@ class ChatMessage(Struct, kw_only=True, forbid_unknown_fields=False):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text or "" for p in self.content)
 
 
 # Template variables a request may not set through chat_template_kwargs: the server sets them.
@@ -369,7 +382,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
-class ChatCompletionRequest(_Sampling, kw_only=True):
+class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
@@ -442,7 +455,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(Struct, kw_only=True):
+class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     model: str | None = None
@@ -468,7 +481,7 @@ class TokenizeRequest(Struct, kw_only=True):
                 )
 
 
-class DetokenizeRequest(Struct, kw_only=True):
+class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     tokens: list[TokenId]
     model: str | None = None
 
@@ -673,6 +686,7 @@ _ENCODER = msgspec.json.Encoder()
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 _FIELD = re.compile(r"required field `([^`]+)`")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_log = logging.getLogger("kern")
 
 
 def echo(text: str) -> str:
@@ -695,34 +709,86 @@ def json_depth(body: bytes) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
-_KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+# An unknown field of a struct that forbids them, as msgspec says it.
+_UNKNOWN = re.compile(r"^Object contains unknown field `([^`]*)`(?: - at `\$([^`]*)`)?$")
+_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+# Unknown fields one body may have dropped (each costs a decode): past it, a 400.
+MAX_UNKNOWN = 64
+# How the 400 for an unknown field says to turn the warning on.
+UNKNOWN_SWITCH = (
+    "kern refuses request fields it does not know; to drop them with a warning instead, start "
+    "the server with --allow-unknown-fields (kern.toml: allow_unknown_fields = true; "
+    "environment: KERN_ALLOW_UNKNOWN_FIELDS=1)"
+)
 
 
-def unknown_fields(body: bytes, type_: type) -> list[str]:
-    """The top-level keys of ``body`` (a JSON object ``decode`` accepted) that ``type_`` does
-    not have: accepted, as OpenAI accepts them, and logged, as vLLM does."""
-    known = type_.__struct_fields__  # type: ignore[attr-defined]
-    return [k for k in _KEYS.decode(body) if k not in known]
+def unknown_fields(names: list[str], allow: bool) -> None:
+    """Request fields kern does not know (their paths, ``messages[1].foo``): a 400 naming
+    them, or (``allow``, the server's allow_unknown_fields) a warning naming them."""
+    if not names:
+        return
+    listed = ", ".join(echo(k) for k in names[:20])
+    plural = "s" if len(names) > 1 else ""
+    if not allow:
+        raise ApiError(
+            400,
+            f"unknown parameter{plural} {listed} ({UNKNOWN_SWITCH})",
+            param=names[0][:MAX_ECHO],
+            code="unknown_parameter",
+        )
+    from kern.server.logs import RECORD
+
+    record = RECORD.get()
+    _log.warning(
+        "request %s: dropped unknown field%s %s", record.id if record else "-", plural, listed
+    )
 
 
-def decode(body: bytes, type_: type[T]) -> T:
+def decode(body: bytes, type_: type[T], *, allow_unknown: bool = False) -> T:
     """Parse and validate ``body`` as ``type_``; raises :class:`ApiError` (400) naming the
-    field when it can."""
+    field when it can. A field ``type_`` does not know, at any depth where its structs forbid
+    unknown fields, is a 400 naming every such field, or with ``allow_unknown`` dropped and
+    named in a warning (:func:`unknown_fields`)."""
     if json_depth(body) > MAX_JSON_DEPTH:
         raise ApiError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
-    try:
-        decoder = _DECODERS.get(type_)
-        if decoder is None:  # another module's body (the agent protocols), built once
-            decoder = _DECODERS[type_] = msgspec.json.Decoder(type_)
-        return decoder.decode(body)
-    except RecursionError:
-        raise ApiError(
-            400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
-        ) from None
-    except msgspec.ValidationError as e:
-        raise _validation_error(str(e)) from None
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+    decoder = _DECODERS.get(type_)
+    if decoder is None:  # another module's body (the agent protocols), built once
+        decoder = _DECODERS[type_] = msgspec.json.Decoder(type_)
+    dropped: list[str] = []
+    value: Any = None
+    while True:
+        try:
+            out = decoder.decode(body) if value is None else msgspec.convert(value, type_)
+            break
+        except RecursionError:
+            raise ApiError(
+                400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+            ) from None
+        except msgspec.ValidationError as e:
+            found = _UNKNOWN.match(str(e))
+            if found is None:
+                raise _validation_error(str(e)) from None
+            if len(dropped) >= MAX_UNKNOWN:
+                raise ApiError(
+                    400, f"more than {MAX_UNKNOWN} unknown fields", code="unknown_parameter"
+                ) from None
+            if value is None:
+                value = msgspec.json.decode(body)
+            where, name = found.group(2) or "", found.group(1)
+            dropped.append(f"{where.lstrip('.')}.{name}" if where.lstrip(".") else name)
+            # Dropped whether or not they are allowed, so that the 400 names every one.
+            _drop(value, where, name)
+        except msgspec.DecodeError as e:
+            raise ApiError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+    unknown_fields(dropped, allow_unknown)
+    return out
+
+
+def _drop(value: Any, path: str, name: str) -> None:
+    """Remove key ``name`` from the object at ``path`` (msgspec's ``.field[3].field``)."""
+    for key, index in _SEGMENT.findall(path):
+        value = value[int(index)] if index else value[key]
+    del value[name]
 
 
 def _validation_error(message: str) -> ApiError:

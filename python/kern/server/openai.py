@@ -59,6 +59,7 @@ class OpenAI:
         log_prompts: bool,
         created: int,
         allow_unknown_fields: bool = False,
+        hosted_tools: str = "refuse",
     ) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -78,9 +79,11 @@ class OpenAI:
         # The first prompt's text goes into the request's log line.
         self.log_prompts = log_prompts
         self.created = created
-        # Unknown top-level request fields: accepted and logged (vLLM's way) instead of a 400
-        # naming them (OpenAI's, the default); KERN_ALLOW_UNKNOWN_FIELDS.
+        # Unknown request fields: dropped and named in a warning instead of a 400 naming them
+        # (the default, OpenAI's and Anthropic's way): kern.server.api.decode.
         self.allow_unknown_fields = allow_unknown_fields
+        # Vendor-hosted tools in a request: "refuse" (a 400 naming them) or "drop" (a warning).
+        self.hosted_tools = hosted_tools
         self.prompts = Prompts(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len)
         # The generations in flight: the server's drain ends them (shut_down).
         self.runs: set[Run] = set()
@@ -218,26 +221,7 @@ class OpenAI:
             )
 
     def _decode(self, raw: bytes, type_: type[T]) -> T:
-        body = api.decode(raw, type_)
-        unknown = api.unknown_fields(raw, type_)
-        if unknown and not self.allow_unknown_fields:
-            # OpenAI's answer: a field the server does not know is never silently ignored.
-            names = ", ".join(api.echo(k) for k in unknown[:20])
-            raise ApiError(
-                400,
-                f"unknown parameter{'s' if len(unknown) > 1 else ''} {names} (the server "
-                "ignores unknown fields only with KERN_ALLOW_UNKNOWN_FIELDS=1)",
-                param=unknown[0][: api.MAX_ECHO],
-                code="unknown_parameter",
-            )
-        if unknown:
-            # Accepted, as vLLM accepts them, but never silently: named in the log.
-            log.warning(
-                "request %s: ignoring unknown fields %s",
-                (record.id if (record := RECORD.get()) else "-"),
-                ", ".join(api.echo(k) for k in unknown[:20]),
-            )
-        return body
+        return api.decode(raw, type_, allow_unknown=self.allow_unknown_fields)
 
     async def _grammar(self, body: Body, opened: bool) -> object | None:
         """The compiled grammar of the request's response_format or tools, or None.

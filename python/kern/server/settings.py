@@ -12,7 +12,7 @@ from pathlib import Path
 from kern.chat_formats import REASONING_PARSERS, TOOL_PARSERS
 from kern.engine.targets import Selection, select
 from kern.errors import UsageError
-from kern.kern_toml import Target, TomlConfigError, grammar_timeout, parse_bytes
+from kern.kern_toml import HOSTED_TOOLS, Target, TomlConfigError, grammar_timeout, parse_bytes
 from kern.models.config import ModelConfig
 from kern.server import logs
 from kern.server.cors import parse_origins
@@ -29,6 +29,7 @@ __all__ = [
     "read_chat_template",
     "served_names",
     "shutdown_timeout",
+    "unknown_fields_env",
 ]
 
 log = logging.getLogger("kern")
@@ -67,8 +68,9 @@ class Settings:
     served_model_names: tuple[str, ...] = ()
     # Origins browser pages may call from (kern.server.cors); empty: CORS is off.
     allowed_origins: tuple[str, ...] = ()
-    # An unknown top-level request field is accepted and named in a warning log line (vLLM's
-    # way) instead of a 400 naming it (OpenAI's).
+    # KERN_ALLOW_UNKNOWN_FIELDS: an unknown request field is dropped and named in a warning
+    # log line instead of a 400 naming it, as the target's allow_unknown_fields key says
+    # (either turns it on).
     allow_unknown_fields: bool = False
 
     def tokenizer(self, loaded: Tokenizer) -> Tokenizer:
@@ -89,7 +91,7 @@ class Settings:
         checkpoint folder), ``KERN_ROWS`` (as ``kern serve --rows``), ``KERN_API_KEY``,
         ``KERN_MAX_BODY_BYTES``, ``KERN_LOG_LEVEL``, ``KERN_LOG_PROMPTS``,
         ``KERN_STATS_INTERVAL``, ``KERN_SHUTDOWN_TIMEOUT``, ``KERN_REASONING_PARSER``,
-        ``KERN_TOOL_CALL_PARSER``,
+        ``KERN_TOOL_CALL_PARSER``, ``KERN_HOSTED_TOOLS``,
         ``KERN_ALLOW_UNKNOWN_FIELDS``, ``KERN_MAX_MODEL_LEN``, ``KERN_CHAT_TEMPLATE`` (a file),
         ``KERN_SERVED_MODEL_NAME``, ``KERN_ALLOWED_ORIGINS`` (comma-separated),
         ``KERN_GRAMMAR_TIMEOUT`` and ``KERN_GRAMMAR_MAX_BYTES`` (as their flags). Raises
@@ -132,13 +134,19 @@ class Settings:
                     raise UsageError(f"{var}={env[var]!r} is not a number") from None
         out.shutdown_timeout = shutdown_timeout(env)
         out.log_prompts = env.get("KERN_LOG_PROMPTS", "") not in ("", "0")
-        out.allow_unknown_fields = env.get("KERN_ALLOW_UNKNOWN_FIELDS", "") not in ("", "0")
+        out.allow_unknown_fields = unknown_fields_env(env)
         level = env.get("KERN_LOG_LEVEL", "info").lower()
         if level not in logs.LEVELS:
             raise UsageError(f"KERN_LOG_LEVEL={level!r} is not one of {', '.join(logs.LEVELS)}")
         if not log.handlers:
             logs.configure(level)
         return out
+
+
+def unknown_fields_env(env: Mapping[str, str]) -> bool:
+    """Whether ``KERN_ALLOW_UNKNOWN_FIELDS`` turns the unknown-field warning on (anything but
+    unset, empty or 0), under ``kern serve`` and plain hypercorn alike."""
+    return env.get("KERN_ALLOW_UNKNOWN_FIELDS", "") not in ("", "0")
 
 
 def shutdown_timeout(env: Mapping[str, str], flag: float | None = None) -> float:
@@ -169,6 +177,9 @@ def _select(env: Mapping[str, str], served_name: str | None) -> Selection:
     tools = env.get("KERN_TOOL_CALL_PARSER") or None
     if tools is not None and tools not in TOOL_PARSERS:
         raise UsageError(f"KERN_TOOL_CALL_PARSER={tools!r} is not one of {', '.join(TOOL_PARSERS)}")
+    hosted = env.get("KERN_HOSTED_TOOLS") or None
+    if hosted is not None and hosted not in HOSTED_TOOLS:
+        raise UsageError(f"KERN_HOSTED_TOOLS={hosted!r} is not one of {', '.join(HOSTED_TOOLS)}")
     config, name, model = env.get("KERN_CONFIG"), env.get("KERN_TARGET"), env.get("KERN_MODEL")
     if config and not name:
         raise UsageError("KERN_CONFIG needs KERN_TARGET")
@@ -184,7 +195,12 @@ def _select(env: Mapping[str, str], served_name: str | None) -> Selection:
         config=Path(config) if config else None,
         target=name or None,
         model=Path(model) if model else None,
-        overrides={"reasoning_parser": parser, "tool_parser": tools, **_grammar_budget(env)},
+        overrides={
+            "reasoning_parser": parser,
+            "tool_parser": tools,
+            "hosted_tools": hosted,
+            **_grammar_budget(env),
+        },
         rows=rows,
         rows_flag="KERN_ROWS",
         served_name=served_name,
