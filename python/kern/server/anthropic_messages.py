@@ -12,18 +12,38 @@ Design notes
 * A ``tool_result`` becomes a ``tool`` message answering its ``tool_use_id``; ``is_error``
   prefixes its text with ``Error: ``, so the model sees it. Earlier turns' thinking is
   dropped, as the chat templates drop earlier reasoning.
+* A ``system`` message inside ``messages`` (Claude Code sends its environment so) is a
+  system turn where the chat template renders one after the first turn (probed once:
+  ``Prompts.renders_mid_system``; Qwen3's does), and is folded into the adjacent user turn
+  where it does not (the next one, else the one before): a template that drops or refuses it
+  would lose the instruction.
 * ``thinking``: ``enabled`` / ``adaptive`` and ``disabled`` turn the chat template's
-  ``enable_thinking`` on or off; ``budget_tokens`` is a cap: an answer still thinking after
-  that many tokens ends with ``max_tokens`` (checked once per step); ``display: "omitted"``
-  returns thinking blocks without their text. Without ``thinking`` the template's default
-  holds. A model without a reasoning parser refuses thinking on.
+  ``enable_thinking`` on or off; ``adaptive`` lets the model not think, so without a
+  reasoning parser it answers without thinking (``enabled`` is refused there).
+  ``budget_tokens`` is a cap: an answer still thinking after that many tokens ends with
+  ``max_tokens`` (checked once per step); ``display: "omitted"`` returns thinking blocks
+  without their text, ``"summarized"`` and ``"updates"`` with the model's own text (kern
+  writes no summaries). Without ``thinking`` the template's default holds.
+* ``output_config.effort``: a template with its own ``reasoning_effort`` gets it (``xhigh``
+  and ``max`` as ``high``); otherwise, where the model reasons, ``low`` and ``medium`` cap the
+  thinking as a budget would (:data:`EFFORT_BUDGETS`), ``high`` and above leave it to
+  ``max_tokens``. A model served without a reasoning parser does not think: effort has no
+  effect there (a debug log line says so).
+* ``context_management`` (kern.server.anthropic_context): the clear-thinking and
+  clear-tool-uses edits are applied to the conversation before it is rendered, and the answer
+  reports ``context_management.applied_edits`` (in the Message, and in a stream's
+  ``message_delta``).
+* ``tools[].defer_loading`` is accepted: kern loads every tool at once (deferring saves only
+  the vendor's context). The ``anthropic-beta`` header asks kern for nothing: :data:`BETAS`
+  says what each value Claude Code sends means here.
 * ``output_config.format`` (a JSON schema) constrains the text as chat's ``response_format``
   does. Sampling takes ``temperature`` / ``top_p`` / ``top_k`` (older SDKs send them; newer
   ones through ``extra_body``).
 * ``cache_control`` is accepted wherever Anthropic allows it: kern caches every prompt prefix
   anyway. ``usage.cache_read_input_tokens`` is the prompt's prefix hit, ``input_tokens`` the
   rest (Anthropic counts them apart), ``cache_creation_input_tokens`` always 0.
-* Unknown request fields are refused by name, as Anthropic refuses them.
+* Unknown request fields are refused by name, as Anthropic refuses them, or dropped with a
+  warning under the server's ``allow_unknown_fields`` (kern.server.api.decode).
 * Errors take Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, with
   its error types by status (:func:`error_body`).
 * A stream's ``message_start`` goes out with the first step's tokens, when the prefix hit (and
@@ -32,25 +52,30 @@ Design notes
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
 from kern.server import api
+from kern.server.anthropic_context import ContextManagement, apply_edits
 from kern.server.anthropic_run import MessagesRun
 from kern.server.api import ApiError
 from kern.server.http import Receive, Send, respond
 from kern.server.openai import OpenAI
 
-__all__ = ["CountTokensRequest", "MessagesRequest", "count_tokens", "create"]
+__all__ = ["BETAS", "CountTokensRequest", "MessagesRequest", "count_tokens", "create", "note_betas"]
+
+log = logging.getLogger("kern")
 
 Temperature = Annotated[float, Meta(ge=0.0, le=1.0)]
 PositiveInt = Annotated[int, Meta(ge=1, le=api.MAX_TOKENS_LIMIT)]
 
 
 class InMessage(Struct, kw_only=True, forbid_unknown_fields=True):
-    role: Literal["user", "assistant"]
+    # "system": an instruction mid-conversation (Claude Code sends its environment so).
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
@@ -63,8 +88,9 @@ class ToolChoice(Struct, kw_only=True, forbid_unknown_fields=True):
 class Thinking(Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: Annotated[int, Meta(ge=1)] | None = None
-    # "omitted": thinking blocks come back with their text left out.
-    display: Literal["summarized", "omitted"] | None = None
+    # "omitted": thinking blocks come back with their text left out; "summarized" and
+    # "updates" (kern writes no summaries): with the model's thinking as it was written.
+    display: Literal["summarized", "omitted", "updates"] | None = None
 
 
 class OutputFormat(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -74,6 +100,8 @@ class OutputFormat(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class OutputConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     format: OutputFormat | None = None
+    # How much the model may think (the design notes: a thinking budget, or nothing).
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class _Prompt(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -86,6 +114,7 @@ class _Prompt(Struct, kw_only=True, forbid_unknown_fields=True):
     output_config: OutputConfig | None = None
     # Prompt caching markers (here and on blocks): kern caches every prefix anyway.
     cache_control: dict[str, Any] | None = None
+    context_management: ContextManagement | None = None
 
 
 class CountTokensRequest(_Prompt, kw_only=True, forbid_unknown_fields=True):
@@ -103,6 +132,44 @@ class MessagesRequest(_Prompt, kw_only=True, forbid_unknown_fields=True):
     metadata: dict[str, Any] | None = None
     # "auto" / "standard_only": kern has one tier.
     service_tier: Literal["auto", "standard_only"] | None = None
+
+
+# Thinking tokens an effort allows where the model reasons (high, xhigh and max: up to
+# max_tokens, as without one); the template's own reasoning_effort takes precedence.
+EFFORT_BUDGETS = {"low": 2_048, "medium": 8_192}
+# reasoning_effort values for the efforts a template's scale (low, medium, high) lacks.
+_TEMPLATE_EFFORT = {"xhigh": "high", "max": "high"}
+
+# The anthropic-beta values kern knows, and what each asks of kern. kern reads no beta flag:
+# what it implements is on without one, and a feature's request fields it lacks are refused
+# by name whatever the header says. Others are named in a debug log line (note_betas).
+BETAS = {
+    "claude-code-20250219": "names the client (Claude Code); asks for nothing",
+    "interleaved-thinking-2025-05-14": "thinking between tool calls: each answer after a tool "
+    "result may open its own reasoning block",
+    "context-management-2025-06-27": "context_management: implemented",
+    "effort-2025-11-24": "output_config.effort: implemented",
+    "mid-conversation-tool-changes-2026-07-01": "tools that change between turns: each request "
+    "renders its own tools",
+    "advanced-tool-use-2025-11-20": "tools[].defer_loading: every tool is loaded at once",
+    "thinking-token-count-2026-05-13": "no thinking-token count is reported: usage.output_tokens "
+    "includes the thinking",
+    "prompt-caching-2024-07-31": "every prompt prefix is cached without markers",
+    "token-counting-2024-11-01": "POST /v1/messages/count_tokens: implemented",
+    "fine-grained-tool-streaming-2025-05-14": "a tool call's input streams in one delta, "
+    "once whole",
+    "output-128k-2025-02-19": "max_tokens is bound by the model's context only",
+    "structured-outputs-2025-11-13": "output_config.format: implemented",
+}
+
+
+def note_betas(headers: list[tuple[bytes, bytes]]) -> None:
+    """Log, at debug level, the anthropic-beta values kern does not know (see :data:`BETAS`)."""
+    for name, value in headers:
+        if name == b"anthropic-beta":
+            unknown = [b for b in value.decode("latin-1").split(",") if b.strip() not in BETAS]
+            if unknown:
+                log.debug("anthropic-beta %s: not known to kern (no effect)", ",".join(unknown))
 
 
 # Anthropic's error type for each status.
@@ -154,6 +221,9 @@ def _messages(req: _Prompt) -> list[api.ChatMessage]:
             out.append(api.ChatMessage(role="system", content=system))
     for m, msg in enumerate(req.messages):
         at = f"messages[{m}].content"
+        if msg.role == "system":
+            out.append(api.ChatMessage(role="system", content=_text_of(msg.content, at)))
+            continue
         blocks = (
             [{"type": "text", "text": msg.content}] if isinstance(msg.content, str) else msg.content
         )
@@ -216,6 +286,34 @@ def _messages(req: _Prompt) -> list[api.ChatMessage]:
     return out
 
 
+def _fold_system(messages: list[api.ChatMessage], renders: bool) -> None:
+    """System messages after the first turn, kept as system turns when the template
+    ``renders`` them, else folded into the adjacent user turn (the next one, else the one
+    before; a leading run of system messages becomes one), in place."""
+    i = 1
+    while i < len(messages):
+        m = messages[i]
+        if m.role != "system" or renders:
+            i += 1
+            continue
+        text = m.text()
+        before = messages[i - 1]
+        after = next((x for x in messages[i + 1 :] if x.role != "system"), None)
+        if before.role == "system":
+            before.content = before.text() + "\n\n" + text
+        elif after is not None and after.role == "user":
+            after.content = text + "\n\n" + after.text()
+        elif before.role == "user":
+            before.content = before.text() + "\n\n" + text
+        else:
+            raise _refuse(
+                "messages",
+                "a system message between assistant turns: this model's chat template renders "
+                "system messages only first, and there is no user turn beside it to fold it into",
+            )
+        del messages[i]
+
+
 def _flush_user(out: list[api.ChatMessage], text: list[str]) -> None:
     """The user text gathered so far as one message (tool results go between them)."""
     if text:
@@ -223,7 +321,7 @@ def _flush_user(out: list[api.ChatMessage], text: list[str]) -> None:
         text.clear()
 
 
-def _tools(req: _Prompt) -> list[api.Tool] | None:
+def _tools(handlers: OpenAI, req: _Prompt) -> list[api.Tool] | None:
     if req.tools is None:
         return None
     tools = []
@@ -231,10 +329,13 @@ def _tools(req: _Prompt) -> list[api.Tool] | None:
         kind = t.get("type", "custom")
         if kind != "custom":
             raise _refuse(f"tools[{i}].type", f"tool type {kind!r} is not supported (only custom)")
-        # strict: kern enforces every call's schema anyway (kern.engine.structured).
-        extra = set(t) - {"type", "name", "description", "input_schema", "cache_control", "strict"}
-        if extra:
-            raise _refuse(f"tools[{i}]", f"unknown field {sorted(extra)[0]!r}")
+        # strict: kern enforces every call's schema anyway (kern.engine.structured);
+        # defer_loading: the tool is loaded at once (deferring only saves the vendor's context).
+        known = {"type", "name", "description", "input_schema", "cache_control", "strict",
+                 "defer_loading"}  # fmt: skip
+        api.unknown_fields(
+            [f"tools[{i}].{k}" for k in sorted(set(t) - known)], handlers.allow_unknown_fields
+        )
         try:
             fn = msgspec.convert(
                 {
@@ -254,7 +355,7 @@ def _tools(req: _Prompt) -> list[api.Tool] | None:
 
 def to_chat(handlers: OpenAI, req: _Prompt, stream: bool = False) -> api.ChatCompletionRequest:
     """The chat completions request that generates ``req``'s answer. Raises ``ApiError``."""
-    tools = _tools(req)
+    tools = _tools(handlers, req)
     choice: Any = None
     parallel = None
     if req.tool_choice is not None:
@@ -271,16 +372,7 @@ def to_chat(handlers: OpenAI, req: _Prompt, stream: bool = False) -> api.ChatCom
             parallel = False
         if tools is None and tc.type != "none":
             raise _refuse("tool_choice", f"tool_choice {tc.type!r} needs tools")
-    kwargs: dict[str, Any] = {}
-    if req.thinking is not None:
-        template = handlers.tokenizer.chat_template or ""
-        on = req.thinking.type != "disabled"
-        if on and not handlers.reasoning:
-            raise _refuse("thinking", "this model is served without a reasoning parser")
-        if "enable_thinking" in template:
-            kwargs["enable_thinking"] = on
-        elif handlers.reasoning:
-            raise _refuse("thinking", "this model's chat template cannot turn thinking on or off")
+    kwargs = _thinking_kwargs(handlers, req)
     fields: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
         if req.thinking is not None and req.thinking.budget_tokens is not None:
@@ -299,10 +391,12 @@ def to_chat(handlers: OpenAI, req: _Prompt, stream: bool = False) -> api.ChatCom
     fmt = req.output_config.format if req.output_config is not None else None
     if fmt is not None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {"schema": fmt.schema}}
+    messages = _messages(req)
+    _fold_system(messages, handlers.prompts.renders_mid_system())
     try:
         return api.ChatCompletionRequest(
             model=req.model,
-            messages=_messages(req),
+            messages=messages,
             tools=tools,
             tool_choice=choice,
             parallel_tool_calls=parallel,
@@ -313,23 +407,98 @@ def to_chat(handlers: OpenAI, req: _Prompt, stream: bool = False) -> api.ChatCom
         raise api._validation_error(str(e)) from None
 
 
+def _thinking_kwargs(handlers: OpenAI, req: _Prompt) -> dict[str, Any]:
+    """The chat template's variables ``thinking`` and ``output_config.effort`` set."""
+    kwargs: dict[str, Any] = {}
+    template = handlers.tokenizer.chat_template or ""
+    if req.thinking is not None:
+        # adaptive lets the model not think: without a reasoning parser it does not.
+        on = req.thinking.type == "enabled" or (
+            req.thinking.type == "adaptive" and handlers.reasoning is not None
+        )
+        if on and not handlers.reasoning:
+            raise _refuse("thinking", "this model is served without a reasoning parser")
+        if "enable_thinking" in template:
+            kwargs["enable_thinking"] = on
+        elif handlers.reasoning:
+            raise _refuse("thinking", "this model's chat template cannot turn thinking on or off")
+    effort = req.output_config.effort if req.output_config is not None else None
+    if effort is not None and handlers.reasoning is not None and "reasoning_effort" in template:
+        kwargs["reasoning_effort"] = _TEMPLATE_EFFORT.get(effort, effort)
+    return kwargs
+
+
+def thinking_budget(handlers: OpenAI, req: MessagesRequest) -> int | None:
+    """The thinking tokens an answer may take: ``thinking.budget_tokens``, else what
+    ``output_config.effort`` maps to (:data:`EFFORT_BUDGETS`) where the model reasons and its
+    template has no effort of its own; None: up to ``max_tokens``."""
+    if req.thinking is not None and req.thinking.budget_tokens is not None:
+        return req.thinking.budget_tokens
+    effort = req.output_config.effort if req.output_config is not None else None
+    if effort is None:
+        return None
+    template = handlers.tokenizer.chat_template or ""
+    if handlers.reasoning is None:
+        log.debug(
+            "output_config.effort %r: no effect, the model is served without reasoning", effort
+        )
+        return None
+    if "reasoning_effort" in template:
+        return None
+    budget = EFFORT_BUDGETS.get(effort)
+    return budget if budget is not None and budget < req.max_tokens else None
+
+
 async def create(handlers: OpenAI, raw: bytes, receive: Receive, send: Send) -> None:
     """``POST /v1/messages``."""
-    req = api.decode(raw, MessagesRequest)
+    req = api.decode(raw, MessagesRequest, allow_unknown=handlers.allow_unknown_fields)
     handlers.check_model(req.model)
     chat = to_chat(handlers, req)
-    budget = req.thinking.budget_tokens if req.thinking is not None else None
+    managed = await _manage(handlers, req, chat)
+    budget = thinking_budget(handlers, req)
     omit = req.thinking is not None and req.thinking.display == "omitted"
 
     def run(*args: Any, **kwargs: Any) -> MessagesRun:
-        return MessagesRun(*args, thinking_budget=budget, omit_thinking=omit, **kwargs)
+        return MessagesRun(
+            *args,
+            thinking_budget=budget,
+            omit_thinking=omit,
+            context_management=managed,
+            **kwargs,
+        )
 
     await handlers.chat_body(chat, receive, send, run)
 
 
 async def count_tokens(handlers: OpenAI, raw: bytes, send: Send) -> None:
     """``POST /v1/messages/count_tokens``: the prompt's token count."""
-    req = api.decode(raw, CountTokensRequest)
+    req = api.decode(raw, CountTokensRequest, allow_unknown=handlers.allow_unknown_fields)
     handlers.check_model(req.model)
-    _, ids = await handlers.chat_prompt(to_chat(handlers, req))
-    await respond(send, 200, api.encode({"input_tokens": len(ids)}))
+    chat = to_chat(handlers, req)
+    if req.context_management is None:
+        _, ids = await handlers.chat_prompt(chat)
+        await respond(send, 200, api.encode({"input_tokens": len(ids)}))
+        return
+    _, ids = await handlers.chat_prompt(chat)
+    await _manage(handlers, req, chat)
+    _, after = await handlers.chat_prompt(chat)
+    out = {"input_tokens": len(after), "context_management": {"original_input_tokens": len(ids)}}
+    await respond(send, 200, api.encode(out))
+
+
+async def _manage(
+    handlers: OpenAI, req: _Prompt, chat: api.ChatCompletionRequest
+) -> dict[str, Any] | None:
+    """Apply the request's context management edits to ``chat``'s messages (in place); the
+    answer's ``context_management``, or None when the request has none."""
+    if req.context_management is None:
+        return None
+
+    async def count(messages: list[api.ChatMessage]) -> int:
+        chat.messages = messages
+        return len((await handlers.chat_prompt(chat))[1])
+
+    messages = chat.messages
+    managed = await apply_edits(req.context_management, messages, count)
+    chat.messages = messages
+    return managed

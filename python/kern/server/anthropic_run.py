@@ -32,11 +32,15 @@ class MessagesRun(ChatRun):
         *args: Any,
         thinking_budget: int | None = None,
         omit_thinking: bool = False,
+        context_management: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.thinking_budget = thinking_budget
         self.omit_thinking = omit_thinking
+        # The edits applied to the prompt (kern.server.anthropic_context), reported when the
+        # request asked for context management.
+        self.context_management = context_management
         self.open: str | None = None  # the kind of the content block being streamed
         self.blocks = 0  # content blocks started
 
@@ -75,7 +79,7 @@ class MessagesRun(ChatRun):
     def _message(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
         ch = self.choices[0]
         stop = self._stop(ch) if final else (None, None)
-        return {
+        out = {
             "id": self.id,
             "type": "message",
             "role": "assistant",
@@ -85,6 +89,9 @@ class MessagesRun(ChatRun):
             "stop_sequence": stop[1],
             "usage": self._usage(final),
         }
+        if self.context_management is not None:
+            out["context_management"] = self.context_management
+        return out
 
     def released(self, ch: Choice, text: str, finish: str | None) -> Parts:
         parts = super().released(ch, text, finish)
@@ -139,6 +146,11 @@ class MessagesRun(ChatRun):
                     {
                         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                         "usage": self._usage(True),
+                        **(
+                            {"context_management": self.context_management}
+                            if self.context_management is not None
+                            else {}
+                        ),
                     },
                 )
             )

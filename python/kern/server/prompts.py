@@ -27,6 +27,26 @@ class Prompts:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._affixes: tuple[list[int], list[int]] | None = None
+        self._mid_system: bool | None = None
+
+    def renders_mid_system(self) -> bool:
+        """Whether the chat template renders a system message after the first turn as one
+        (Qwen3's does); some raise on one or drop it, and a dropped message would be an input
+        accepted and ignored. Probed once, by rendering one."""
+        if self._mid_system is None:
+            mark = "kern-probe-8f3a"
+            probe = [
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"},
+                {"role": "system", "content": mark},
+                {"role": "user", "content": "v"},
+            ]
+            try:
+                text = self.tokenizer.apply_chat_template(probe, True)
+            except ChatTemplateError:
+                text = ""
+            self._mid_system = mark in text
+        return self._mid_system
 
     def special_affixes(self) -> tuple[list[int], list[int]]:
         """The ids the tokenizer's ``add_special_tokens`` puts before and after a text's own
