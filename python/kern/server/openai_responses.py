@@ -10,14 +10,24 @@ Design notes
   ``assistant``) with text parts, ``function_call`` and ``function_call_output`` items, and
   ``reasoning`` items (accepted and not rendered: the chat templates drop earlier turns'
   reasoning). Anything else (images, files, hosted tools' calls, item references) is refused
-  by its type, and so are tools other than ``function``.
+  by its type.
+* Tools: ``function``; ``namespace`` (Codex CLI's) flattened into its functions, each named
+  ``namespace.name`` for the model and returned as ``{"namespace", "name"}`` in its
+  ``function_call`` item (and read back so from a later request's input). Tools their vendor
+  runs (``web_search``, ``file_search``, ... :data:`HOSTED_TOOLS`) are refused by name, or
+  with the server's ``hosted_tools = "drop"`` served without and named in a warning; any
+  other type is refused.
+* ``client_metadata`` (Codex CLI's session ids) is echoed as ``metadata`` is;
+  ``prompt_cache_key`` asks for nothing kern does not do anyway (every prefix is cached).
+  Errors the chat path raises name what the client sent: ``max_output_tokens``, ``input``.
 * Output items: a ``reasoning`` item (the reasoning parser's text, as ``reasoning_text``
   content; kern writes no summaries), a ``message`` with one ``output_text`` part, and one
   ``function_call`` item per call. A tool call is never streamed as output text: the
   splitter holds a ``<tool_call>`` back until it is whole (kern.server.splitter).
 * ``reasoning.effort``: ``none`` turns the template's ``enable_thinking`` off; any other
   effort is passed to a template that reads ``reasoning_effort``, and refused by name for one
-  that does not. ``reasoning.summary`` takes only ``auto`` (none is written).
+  that does not. ``reasoning.summary`` takes ``auto`` and ``none`` (none is written);
+  ``concise`` and ``detailed`` ask for a summary and are refused.
 * ``include: ["reasoning.encrypted_content"]`` is served unencrypted: the reasoning item's
   ``encrypted_content`` is its text in base64 (kern has nothing to hide from its own user).
 * ``store`` (OpenAI's default: true) keeps the conversation of the last :data:`STORE_SIZE`
@@ -32,6 +42,8 @@ Design notes
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 import msgspec
@@ -39,11 +51,14 @@ import msgspec
 from kern.server import api
 from kern.server.api import ApiError
 from kern.server.http import Receive, Send, respond
+from kern.server.logs import RECORD
 from kern.server.openai import OpenAI
 from kern.server.openai_responses_run import ResponsesRun
 from kern.server.openai_responses_types import ResponsesRequest, ResponseStore, TextConfig
 
-__all__ = ["create", "get"]
+__all__ = ["HOSTED_TOOLS", "Tools", "create", "get"]
+
+log = logging.getLogger("kern")
 
 
 def _refuse(param: str, message: str) -> ApiError:
@@ -87,6 +102,9 @@ def _messages(items: str | list[dict[str, Any]]) -> list[api.ChatMessage]:
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not all(isinstance(v, str) for v in (name, args, call_id)):
                 raise _refuse(at, "a function_call item needs call_id, name and arguments")
+            namespace = item.get("namespace")
+            if isinstance(namespace, str) and namespace:
+                name = f"{namespace}{NAMESPACE_JOIN}{name}"
             call = api.MessageToolCall(
                 id=call_id, type="function", function=api.CalledFunction(name=name, arguments=args)
             )
@@ -108,25 +126,78 @@ def _messages(items: str | list[dict[str, Any]]) -> list[api.ChatMessage]:
     return out
 
 
-def _tools(req: ResponsesRequest) -> list[api.Tool] | None:
-    if req.tools is None:
-        return None
-    tools = []
-    for i, t in enumerate(req.tools):
-        kind = t.get("type")
-        if kind != "function":
-            raise _refuse(
-                f"tools[{i}].type", f"tool type {kind!r} is not supported (only function)"
+# Tools their vendor runs on its own servers: kern has none of them to run.
+HOSTED_TOOLS = frozenset(
+    {"web_search", "web_search_preview", "web_search_2025_08_26", "file_search",
+     "code_interpreter", "computer_use", "computer_use_preview", "image_generation", "mcp",
+     "tool_search"}
+)  # fmt: skip
+# A namespace tool's function is called by the model as NAMESPACE + this + NAME.
+NAMESPACE_JOIN = "."
+
+
+class Tools:
+    """A request's tools as chat functions: namespace tools flattened (each function named
+    ``namespace.name``, :attr:`namespaced` mapping it back), hosted tools refused or dropped
+    as the server's ``hosted_tools`` says."""
+
+    def __init__(self, handlers: OpenAI, req: ResponsesRequest) -> None:
+        self.handlers = handlers
+        self.functions: list[api.Tool] = []
+        self.namespaced: dict[str, tuple[str, str]] = {}
+        self.dropped: list[str] = []
+        for i, t in enumerate(req.tools or ()):
+            self._tool(t, f"tools[{i}]", None)
+        if self.dropped:
+            log.warning(
+                "request %s: served without the hosted tools %s (hosted_tools = 'drop')",
+                (record.id if (record := RECORD.get()) else "-"),
+                ", ".join(self.dropped),
             )
-        extra = set(t) - {"type", "name", "description", "parameters", "strict"}
-        if extra:
-            raise _refuse(f"tools[{i}]", f"unknown field {sorted(extra)[0]!r}")
+
+    def _tool(self, t: dict[str, Any], at: str, namespace: str | None) -> None:
+        kind = t.get("type")
+        if kind == "namespace" and namespace is None:
+            name, inner = t.get("name"), t.get("tools")
+            if not isinstance(name, str) or not name or not isinstance(inner, list):
+                raise _refuse(at, "a namespace tool needs a name and a list of tools")
+            self._unknown(t, at, {"type", "name", "description", "tools"})
+            for j, sub in enumerate(inner):
+                self._tool(sub if isinstance(sub, dict) else {}, f"{at}.tools[{j}]", name)
+            return
+        if kind in HOSTED_TOOLS and namespace is None:
+            if self.handlers.hosted_tools != "drop":
+                raise _refuse(
+                    f"{at}.type",
+                    f"tool type {kind!r} is a tool its vendor runs on its own servers, which kern "
+                    "cannot run: leave it out of the request (Codex CLI: web_search = "
+                    '"disabled" in its config.toml), or start kern with --hosted-tools drop to '
+                    "serve such requests without it",
+                )
+            self.dropped.append(f"{at} ({kind})")
+            return
+        if kind != "function":
+            raise _refuse(f"{at}.type", f"tool type {kind!r} is not supported (only function)")
+        self._unknown(t, at, {"type", "name", "description", "parameters", "strict"})
+        fields = {k: v for k, v in t.items() if k != "type"}
         try:
-            fn = msgspec.convert({k: v for k, v in t.items() if k != "type"}, api.FunctionDef)
+            fn = msgspec.convert(fields, api.FunctionDef)
         except msgspec.ValidationError as e:
-            raise _refuse(f"tools[{i}]", str(e).split(" - at ")[0]) from None
-        tools.append(api.Tool(type="function", function=fn))
-    return tools
+            raise _refuse(at, str(e).split(" - at ")[0]) from None
+        if namespace is not None:
+            flat = f"{namespace}{NAMESPACE_JOIN}{fn.name}"
+            self.namespaced[flat] = (namespace, fn.name)
+            try:
+                fn = msgspec.convert({**fields, "name": flat}, api.FunctionDef)
+            except msgspec.ValidationError:
+                raise _refuse(
+                    f"{at}.name", f"{flat!r} (namespace and name) is not a valid function name"
+                ) from None
+        self.functions.append(api.Tool(type="function", function=fn))
+
+    def _unknown(self, t: dict[str, Any], at: str, known: set[str]) -> None:
+        names = [f"{at}.{k}" for k in sorted(set(t) - known)]
+        api.unknown_fields(names, self.handlers.allow_unknown_fields)
 
 
 def _tool_choice(value: str | dict[str, Any] | None) -> Any:
@@ -159,9 +230,10 @@ def _format(text: TextConfig | None) -> dict[str, Any] | None:
 
 def to_chat(
     handlers: OpenAI, req: ResponsesRequest, history: list[api.ChatMessage]
-) -> tuple[api.ChatCompletionRequest, list[api.ChatMessage]]:
+) -> tuple[api.ChatCompletionRequest, list[api.ChatMessage], dict[str, tuple[str, str]]]:
     """The chat completions request that generates ``req``'s answer after ``history`` (a
-    stored conversation), and the conversation without the instructions."""
+    stored conversation), the conversation without the instructions, and the namespace
+    tools' functions (:attr:`Tools.namespaced`)."""
     conversation = [*history, *_messages(req.input)]
     messages = list(conversation)
     if req.instructions:
@@ -179,8 +251,8 @@ def to_chat(
                 "reasoning.effort", f"this model's chat template does not take effort {effort!r}"
             )
     choice = _tool_choice(req.tool_choice)
-    tools = _tools(req)
-    if choice not in (None, "none") and not tools:
+    tools = Tools(handlers, req)
+    if choice not in (None, "none") and not tools.functions:
         raise _refuse("tool_choice", "tool_choice needs tools")
     try:
         chat = api.ChatCompletionRequest(
@@ -189,7 +261,7 @@ def to_chat(
             max_tokens=req.max_output_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
-            tools=tools,
+            tools=tools.functions if req.tools is not None else None,
             tool_choice=choice,
             parallel_tool_calls=req.parallel_tool_calls,
             response_format=_format(req.text),
@@ -198,24 +270,51 @@ def to_chat(
         )
     except ValueError as e:
         raise api._validation_error(str(e)) from None
-    return chat, conversation
+    return chat, conversation, tools.namespaced
 
 
 async def create(
     handlers: OpenAI, store: ResponseStore, raw: bytes, receive: Receive, send: Send
 ) -> None:
     """``POST /v1/responses``."""
-    req = api.decode(raw, ResponsesRequest)
+    req = api.decode(raw, ResponsesRequest, allow_unknown=handlers.allow_unknown_fields)
     handlers.check_model(req.model)
     history: list[api.ChatMessage] = []
     if req.previous_response_id is not None:
         history = list(store.get(req.previous_response_id, "previous_response_id")[0])
-    chat, conversation = to_chat(handlers, req, history)
+    try:
+        chat, conversation, namespaced = to_chat(handlers, req, history)
 
-    def run(*args: Any, **kwargs: Any) -> ResponsesRun:
-        return ResponsesRun(*args, request=req, conversation=conversation, store=store, **kwargs)
+        def run(*args: Any, **kwargs: Any) -> ResponsesRun:
+            return ResponsesRun(
+                *args,
+                request=req,
+                conversation=conversation,
+                store=store,
+                namespaced=namespaced,
+                **kwargs,
+            )
 
-    await handlers.chat_body(chat, receive, send, run)
+        await handlers.chat_body(chat, receive, send, run)
+    except ApiError as e:
+        raise _in_responses_terms(e) from None
+
+
+# The chat request's parameters that errors may name, as a Responses request names them.
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+_WORDS = re.compile(r"\b(max_tokens|messages)\b")
+
+
+def _in_responses_terms(e: ApiError) -> ApiError:
+    """``e``, raised by the chat path, naming what the client sent (``max_output_tokens``,
+    ``input``) rather than the chat request kern made of it."""
+    param = e.param
+    if param is not None:
+        head = re.match(r"[a-z_]+", param)
+        if head is not None and head.group(0) in _PARAMS:
+            param = _PARAMS[head.group(0)] + param[head.end() :]
+    message = _WORDS.sub(lambda m: _PARAMS[m.group(1)], e.message)
+    return ApiError(e.status, message, param=param, type=e.type, code=e.code, headers=e.headers)
 
 
 async def get(store: ResponseStore, id_: str, send: Send) -> None:

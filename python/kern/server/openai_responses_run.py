@@ -47,10 +47,13 @@ class ResponsesRun(ChatRun):
         request: ResponsesRequest,
         conversation: list[api.ChatMessage],
         store: ResponseStore,
+        namespaced: dict[str, tuple[str, str]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.request = request
+        # The functions of namespace tools: the name the model calls -> (namespace, name).
+        self.namespaced = namespaced or {}
         self.conversation = conversation
         self.store = store
         self.created_at = int(time.time())
@@ -89,7 +92,7 @@ class ResponsesRun(ChatRun):
         return "incomplete" if self.choices[0].finish == "length" else "completed"
 
     def _call_item(self, id_: str, call_id: str, name: str, arguments: str, done: bool) -> dict:
-        return {
+        item = {
             "type": "function_call",
             "id": id_,
             "call_id": call_id,
@@ -97,6 +100,10 @@ class ResponsesRun(ChatRun):
             "arguments": arguments,
             "status": "completed" if done else "in_progress",
         }
+        # A call of a namespace tool's function: named as the client declared it.
+        if name in self.namespaced:
+            item["namespace"], item["name"] = self.namespaced[name]
+        return item
 
     def _status(self) -> tuple[str, dict[str, Any] | None]:
         ch = self.choices[0]
@@ -143,6 +150,7 @@ class ResponsesRun(ChatRun):
             "truncation": "disabled",
             "usage": usage,
             "metadata": req.metadata or {},
+            **({"client_metadata": req.client_metadata} if req.client_metadata is not None else {}),
             "user": req.user,
         }
 

@@ -25,7 +25,9 @@ class TextConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ReasoningConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto"] | None = None
+    # kern writes no reasoning summaries: "auto" (the server's choice) and "none" say as much;
+    # "concise" and "detailed" ask for one and are refused by name.
+    summary: Literal["auto", "none"] | None = None
 
 
 class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -48,6 +50,8 @@ class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     service_tier: Literal["auto", "default"] | None = None
     # Identifiers that ask for no behaviour.
     metadata: dict[str, str] | None = None
+    # Codex CLI's identifiers (session, thread, turn): stored and echoed as metadata is.
+    client_metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
