@@ -57,6 +57,16 @@ def test_make_tiny_subprocess_matches_the_library(tmp_path):
     assert digests(tmp_path / "a") == digests(tmp_path / "b")
 
 
+def test_make_tiny_sets_the_context(tmp_path, capsys):
+    """An agent's prompts need a long context: the folder declares the one asked for."""
+    assert (
+        cli.main(["make-tiny", "qwen3", str(tmp_path), "--max-position-embeddings", "131072"]) == 0
+    )
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["max_position_embeddings"] == 131072
+    assert load_checkpoint(tmp_path).config.max_position_embeddings == 131072
+
+
 def test_run_json_subprocess(tmp_path):
     out = kern("run", "--prompt-ids", "1,2,3", "--steps", "6", "--json")
     assert out.returncode == 0, out.stderr
@@ -340,6 +350,11 @@ def test_bad_arguments_exit_2_subprocess():
         (["run", "--prompt", "a", "--steps", "1", "--target", "t"], "--target needs --config"),
         (["make-tiny", "llama", "d"], "invalid choice: 'llama'"),
         (["make-tiny", "qwen3", "d", "--experts", "4"], "'experts' does not apply"),
+        (
+            ["make-tiny", "kimi_linear", "d", "--max-position-embeddings", "64"],
+            "'max_position_embeddings' does not apply to family 'kimi_linear'",
+        ),
+        (["make-tiny", "qwen3", "d", "--max-position-embeddings", "0"], "positive"),
         ([], "the following arguments are required: COMMAND"),
     ],
 )

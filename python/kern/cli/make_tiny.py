@@ -125,6 +125,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="LAYERS",
         help="qwen3_moe: layers with a dense MLP, e.g. 0,3",
     )
+    p.add_argument(
+        "--max-position-embeddings",
+        type=positive_int,
+        metavar="N",
+        help="the context config.json declares, e.g. 131072 for an agent's long prompts "
+        "(default: the family's tiny default; not for kimi_linear, whose config has none)",
+    )
     p.add_argument("--tie-embeddings", action="store_true", help="share embedding and LM head")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--shards", type=positive_int, default=1, help="safetensors files")
@@ -159,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
             overwrite=args.force,
             fp8=args.fp8,
+            max_position_embeddings=args.max_position_embeddings,
             **sizes,
         )
     except (ValueError, FileExistsError) as e:

@@ -14,7 +14,9 @@ Design notes
   all reasoning. Anything else is content.
 * Tool calls (on when a request has tools and tool_choice is not "none"): a block from the
   format's ``calls_open`` to its ``calls_close`` is handed to the format's ``parse``. A block
-  it does not take stays content, verbatim, as does one cut off by the end. Whitespace
+  it does not take stays content, verbatim, as does one the model ended unclosed. One cut off
+  by ``max_tokens`` is not content (clients took its markup for the answer): it is kept in
+  ``Splitter.cut`` and the answer's finish reason, length, says it was cut. Whitespace
   between and after calls is dropped; any other text there stays content.
 """
 
@@ -63,8 +65,10 @@ class Splitter:
         self.calls = 0
         self.blank = ""  # whitespace after a tool call, kept until text follows it
         self.fresh = False  # nothing but whitespace since the last call
+        self.cut = ""  # a block of calls max_tokens cut off (see the design notes)
 
-    def feed(self, text: str, final: bool = False) -> Parts:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> Parts:
+        """What ``text`` releases; ``final``: the answer's end, ``cut`` by its length."""
         out = Parts()
         self.buf += text
         while True:
@@ -72,6 +76,8 @@ class Splitter:
             getattr(self, "_" + self.state)(out, final)
             if (self.state, len(self.buf)) == before:
                 break
+        if final and cut and self.state == "call":
+            self.cut, self.buf = self.buf, ""
         if final:
             self._content(out, self.buf)
             self.buf = ""

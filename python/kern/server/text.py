@@ -57,7 +57,7 @@ class Choice:
     def parts(self, text: str, final: bool) -> Parts:
         """``text`` split; kept for the whole answer."""
         assert self.split is not None
-        parts = self.split.feed(text, final)
+        parts = self.split.feed(text, final, cut=final and self.finish == "length")
         self.reasoning.append(parts.reasoning)
         self.text.append(parts.content)
         self.calls += parts.calls

@@ -44,6 +44,7 @@ def make_tiny(
     shards: int = 1,
     tokenizer: str = "json",
     overwrite: bool = False,
+    max_position_embeddings: int | None = None,
     **sizes: Any,
 ) -> Path:
     """Write a random-weight checkpoint of ``family`` to ``out_dir``; returns ``out_dir``.
@@ -60,6 +61,8 @@ def make_tiny(
     names, config spelling, FP8 projections with e8m0 ``.scale`` blocks and FP4 routed
     experts. deepseek_v3's ``mtp_layers`` writes that many multi-token-prediction layers;
     ``yarn_factor`` > 0 sets YaRN RoPE scaling (deepseek_v4: its compressed layers').
+    ``max_position_embeddings`` sets the context config.json declares (the families' tiny
+    default otherwise; one whose config has no such key refuses it).
 
     Raises ``ValueError`` for an unknown family or an option that does not apply,
     :class:`~kern.checkpoint.errors.ConfigFieldError` for inconsistent sizes, and
@@ -87,6 +90,16 @@ def make_tiny(
     with tempfile.TemporaryDirectory() as tmp:
         ids, eos_ids = _write_tokenizer(Path(tmp), tokenizer, args)
         config_json = tiny_config_json(family, args, ids, tie_embeddings, dtype)
+        if max_position_embeddings is not None:
+            if "max_position_embeddings" not in config_json:
+                raise ValueError(
+                    f"option 'max_position_embeddings' does not apply to family {family!r}"
+                )
+            if max_position_embeddings < 1:
+                raise ValueError(
+                    f"max_position_embeddings must be at least 1, got {max_position_embeddings}"
+                )
+            config_json["max_position_embeddings"] = max_position_embeddings
         config = parse_config(config_json, source=f"make_tiny({family!r})")
         out = Path(out_dir)
         if out.exists() and any(out.iterdir()) and not overwrite:
