@@ -31,14 +31,23 @@ Design notes
   tools. The arguments follow each tool's parameters schema, with at most one whitespace
   character between JSON tokens (free whitespace again). Newlines are part of the formats,
   so these grammars do not ban control-character tokens: xgrammar's JSON string rule
-  already excludes raw control characters here.
-* Compiles run where :class:`Grammars` is given a budget (the server): each in a process of
-  its own that is killed past the time budget, a source over the size budget refused before
-  it is compiled (kern.engine.grammar_compile), neither taking the engine's thread or the
-  event loop. :meth:`Grammars.submit` returns a future; compiled grammars are cached (and so
-  are refusals: a schema sent again is refused without compiling it again). Measured on 2
-  cores: a new schema 15-17 ms that way against 0.8 ms in this process, a cached one about
-  50 us. Without a budget (test harnesses, benchmarks) a compile runs in the caller's thread.
+  already excludes raw control characters here. In a format whose calls are one tag each
+  (``ChatFormat.calls_lazy``), ``auto`` is held lazily instead, one grammar per tool, each
+  cached alone (kern.engine.tool_calls): an agent's tool list changes from request to
+  request, and one tag for all of it is a large grammar.
+* Compiles run where :class:`Grammars` is given a budget (the server): each first in a
+  process of its own that is killed past the time budget, a source over the size budget
+  refused before it is compiled (kern.engine.grammar_compile); one that compiled there
+  within the budget is compiled again here, on one compile thread, since the compiled
+  grammar does not cross the process boundary well (Claude Code's 21 tools as one tag: 447
+  MB as JSON, 26 s to write and 8.5 s to read). Neither takes the engine's thread or the
+  event loop (xgrammar's compile releases the GIL). :meth:`Grammars.submit` returns a
+  future; compiled grammars are cached (and so are refusals: a schema sent again is refused
+  without compiling it again). Measured on 2 cores (``python -m kern.bench.tool_grammars``,
+  docs/serve.md): one tool's tag 20-30 ms that way, Claude Code's 21 tools as one tag 0.34
+  s (40.7 s when the grammar came back as JSON, refused at the default 5 s budget), a
+  cached one about 50 us. Without a budget (test harnesses, benchmarks) a compile runs in
+  the caller's thread.
 * With a reasoning parser on, a constrained answer may start with its reasoning block and the
   blank line after it (kern.chat_formats.Reasoning.grammar), and must when the prompt opened
   one: the constraint holds for the answer, not the reasoning, as in vLLM.
@@ -79,8 +88,11 @@ __all__ = [
 
 # Compiled grammars kept, keyed by the schema's JSON in the request's own key order: the order
 # of ``properties`` is the order the answer's keys come in (as OpenAI and vLLM keep it), so two
-# schemas that differ only in order are two grammars.
-CACHE_SIZE = 64
+# schemas that differ only in order are two grammars. Room for a few agents' tool sets, one
+# grammar per tool (kern.engine.tool_calls), within CACHE_BYTES of compiled grammars (xgrammar's
+# own count: Claude Code's 21 tools, 3.9 MB as one tag on the tiny vocabulary, 4.1 MB apart).
+CACHE_SIZE = 256
+CACHE_BYTES = 1 << 30
 # Sources refused (over a budget, or not compiling) kept, by their SHA-256.
 REFUSED_SIZE = 256
 # xgrammar 0.2.8 writes the characters of a length-bounded JSON string (maxLength) as
@@ -216,6 +228,7 @@ class Grammars:
         self.first_byte = torch.empty(0, dtype=torch.int16)
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache_bytes = 0
         # Compiles under way, by key: a second request for the same source waits on the first.
         self._pending: dict[str, Future[Any]] = {}
         self._refused: OrderedDict[bytes, str] = OrderedDict()
@@ -437,8 +450,9 @@ class Grammars:
                     self._refused.popitem(last=False)
             elif error is None:
                 self._cache[source.key] = compiled
-                if len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                self._cache_bytes += _size(compiled)
+                while len(self._cache) > CACHE_SIZE or self._cache_bytes > CACHE_BYTES:
+                    self._cache_bytes -= _size(self._cache.popitem(last=False)[1])
         if error is None:
             outer.set_result(compiled)
         else:
@@ -464,6 +478,10 @@ def _after(think: dict[str, Any] | None, answer: dict[str, Any]) -> dict[str, An
     if think is None:
         return answer
     return {"type": "sequence", "elements": [think, answer]}
+
+
+def _size(compiled: tuple[Any, bool]) -> int:
+    return int(getattr(compiled[0], "memory_size_bytes", 0))
 
 
 def _refusal(source: Source, why: str) -> StructuredOutputError:

@@ -23,7 +23,10 @@ Design notes
   loses nothing.
 * After the trigger: one xgrammar ``GrammarMatcher`` per tool still possible, the mask the OR
   of theirs; one that refuses the token drops out. A finished call goes back to free text
-  with parallel calls, else only end of sequence may follow (``stop_after_first``).
+  with parallel calls, else only end of sequence may follow (``stop_after_first``). A step's
+  mask on the tiny vocabulary, Claude Code's 21 tools: 12 us in free text (the whole tag's
+  13), 76 us right after the trigger (one mask per candidate; the whole tag's 15), 22 us
+  once the name has left one (16). The candidates are all live only until the name.
 * With a reasoning parser the trigger does not count inside the block: the prompt opened it
   (the answer starts inside), or the answer may start with it. In that second case both
   readings stay until one dies, as xgrammar's parser keeps every parse: the mask is the
