@@ -1,8 +1,9 @@
 """Grammar compiles cannot stall the engine (kern.engine.grammar_compile): while 8 requests
 stream, pathological schemas (deep nesting, a huge enum, catastrophic string patterns, a tool
-whose parameters nest deep, one that does not compile) each get their 400 naming the budget
-or the reason, the streams' inter-token gaps stay within 2x of the same streams' gaps with
-nothing else running, every stream finishes, and no compile is left burning a core."""
+whose parameters take too long, with tool_choice required and auto, one that does not
+compile) each get their 400 naming the budget or the reason (the tool by name with auto),
+the streams' inter-token gaps stay within 2x of the same streams' gaps with nothing else
+running, every stream finishes, and no compile is left burning a core."""
 
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ ATTACKS = [
     ("tool pattern", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "pattern": REPEATS}}}}}],
         "tool_choice": "required"}, "tools", "grammar time budget"),
+    # tool_choice auto: each tool's grammar alone (kern.engine.tool_calls), the slow one named.
+    ("tool pattern, auto", {"tools": [
+        {"type": "function", "function": {"name": "quick", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "slow", "parameters": {
+            "type": "object", "properties": {"x": {"type": "string", "pattern": REPEATS}}}}}],
+        "tool_choice": "auto"}, "tools[1].function.parameters", "tool 'slow' did not compile"),
     ("no such type", {"response_format": _format({"type": "strin"})}, "response_format",
      "does not compile"),
     # The first again: refused from memory, not compiled a second time.

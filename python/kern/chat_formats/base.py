@@ -74,6 +74,11 @@ class ChatFormat(ABC):
     keep_special: ClassVar[bool] = False
     # The reasoning block's markers; None: the format has no reasoning parser.
     reasoning: ClassVar[Reasoning | None] = None
+    # Each call is a tag of its own that starts with ``calls_open`` (:meth:`call_grammar`), so
+    # tool_choice "auto" can be held one grammar per tool, from the trigger on
+    # (kern.engine.tool_calls). False where calls sit inside a section: auto then keeps the
+    # whole structural tag.
+    calls_lazy: ClassVar[bool] = False
 
     @abstractmethod
     def parse(self, text: str) -> list[ToolCall] | None:
@@ -85,6 +90,11 @@ class ChatFormat(ABC):
         """The structural tag's element of an answer's calls of ``tools`` (``{"name",
         "parameters"}`` each) under tool_choice ``choice`` ("auto", "required" or a tool's
         name, then ``tools`` is that one); ``parallel``: more than one call allowed."""
+
+    def call_grammar(self, tool: dict[str, Any]) -> dict[str, Any]:
+        """The structural tag's element of one call of ``tool``, from ``calls_open`` on (with
+        ``calls_lazy``: what a lazily held tool set compiles per tool)."""
+        return self.grammar([tool], tool["name"], False)
 
 
 def json_format(schema: Any) -> dict[str, Any]:

@@ -10,7 +10,9 @@ Design notes
   parallel_tool_calls is false), a named function exactly one block of it, ``auto`` free text
   in which a block, once opened, must be a call of one of the tools. Each block is written as
   the template writes it, ``<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>``,
-  the arguments following the tool's parameters schema.
+  the arguments following the tool's parameters schema. ``auto`` is held lazily
+  (``calls_lazy``, kern.engine.tool_calls): free text until ``<tool_call>``, then the union
+  of the tools' own grammars, each compiled and cached alone.
 * The markers are plain text in Qwen3's tokenizers: special tokens may be skipped.
 """
 
@@ -30,6 +32,7 @@ class Qwen3(ChatFormat):
     calls_open, calls_close = "<tool_call>", "</tool_call>"
     summary = "<tool_call> blocks"
     reasoning = Reasoning("<think>", "</think>", "\n\n")
+    calls_lazy = True
 
     def parse(self, text: str) -> list[ToolCall] | None:
         try:

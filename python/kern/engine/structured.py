@@ -31,14 +31,23 @@ Design notes
   tools. The arguments follow each tool's parameters schema, with at most one whitespace
   character between JSON tokens (free whitespace again). Newlines are part of the formats,
   so these grammars do not ban control-character tokens: xgrammar's JSON string rule
-  already excludes raw control characters here.
-* Compiles run where :class:`Grammars` is given a budget (the server): each in a process of
-  its own that is killed past the time budget, a source over the size budget refused before
-  it is compiled (kern.engine.grammar_compile), neither taking the engine's thread or the
-  event loop. :meth:`Grammars.submit` returns a future; compiled grammars are cached (and so
-  are refusals: a schema sent again is refused without compiling it again). Measured on 2
-  cores: a new schema 15-17 ms that way against 0.8 ms in this process, a cached one about
-  50 us. Without a budget (test harnesses, benchmarks) a compile runs in the caller's thread.
+  already excludes raw control characters here. In a format whose calls are one tag each
+  (``ChatFormat.calls_lazy``), ``auto`` is held lazily instead, one grammar per tool, each
+  cached alone (kern.engine.tool_calls): an agent's tool list changes from request to
+  request, and one tag for all of it is a large grammar.
+* Compiles run where :class:`Grammars` is given a budget (the server): each first in a
+  process of its own that is killed past the time budget, a source over the size budget
+  refused before it is compiled (kern.engine.grammar_compile); one that compiled there
+  within the budget is compiled again here, on one compile thread, since the compiled
+  grammar does not cross the process boundary well (Claude Code's 21 tools as one tag: 447
+  MB as JSON, 26 s to write and 8.5 s to read). Neither takes the engine's thread or the
+  event loop (xgrammar's compile releases the GIL). :meth:`Grammars.submit` returns a
+  future; compiled grammars are cached (and so are refusals: a schema sent again is refused
+  without compiling it again). Measured on 2 cores (``python -m kern.bench.tool_grammars``,
+  docs/serve.md): one tool's tag 20-30 ms that way, Claude Code's 21 tools as one tag 0.34
+  s (40.7 s when the grammar came back as JSON, refused at the default 5 s budget), a
+  cached one about 50 us. Without a budget (test harnesses, benchmarks) a compile runs in
+  the caller's thread.
 * With a reasoning parser on, a constrained answer may start with its reasoning block and the
   blank line after it (kern.chat_formats.Reasoning.grammar), and must when the prompt opened
   one: the constraint holds for the answer, not the reasoning, as in vLLM.
@@ -50,7 +59,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,8 +88,11 @@ __all__ = [
 
 # Compiled grammars kept, keyed by the schema's JSON in the request's own key order: the order
 # of ``properties`` is the order the answer's keys come in (as OpenAI and vLLM keep it), so two
-# schemas that differ only in order are two grammars.
-CACHE_SIZE = 64
+# schemas that differ only in order are two grammars. Room for a few agents' tool sets, one
+# grammar per tool (kern.engine.tool_calls), within CACHE_BYTES of compiled grammars (xgrammar's
+# own count: Claude Code's 21 tools, 3.9 MB as one tag on the tiny vocabulary, 4.1 MB apart).
+CACHE_SIZE = 256
+CACHE_BYTES = 1 << 30
 # Sources refused (over a budget, or not compiling) kept, by their SHA-256.
 REFUSED_SIZE = 256
 # xgrammar 0.2.8 writes the characters of a length-bounded JSON string (maxLength) as
@@ -98,8 +110,15 @@ BATCH_THREADS = 1
 
 
 class StructuredOutputError(ValueError):
-    """A response_format kern cannot enforce: a bad schema, one over a grammar budget, or
-    xgrammar missing."""
+    """A response_format or tools kern cannot enforce: a bad schema, one over a grammar budget,
+    or xgrammar missing. ``reason``: what is wrong with the source, without naming it (a
+    refusal is remembered by the source, whatever names it); ``param``: the request's field at
+    fault where it is narrower than the server's default."""
+
+    def __init__(self, message: str, *, reason: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
+        self.param = param
 
 
 class GrammarUnavailable(RuntimeError):
@@ -141,18 +160,27 @@ class Matcher:
         """What this matcher bans beyond xgrammar's mask and the control tokens, in ``row``
         [vocab]."""
         if self._lead >= 0:
-            lo, hi = _SECOND_BYTE[self._lead]
-            first = self._g.first_byte
-            outside = (first < lo) | (first > hi)
-            row[: outside.shape[0]][outside] = -torch.inf
+            ban_second_bytes(row, self._lead, self._g.first_byte)
 
     def accept(self, token: int) -> bool:
         """Advance by the token sampled; False if the grammar refuses it."""
         if self._matcher.is_terminated() or not self._matcher.accept_token(token):
             return False
-        raw = self._g.token_bytes[token] if token < len(self._g.token_bytes) else b""
-        self._lead = raw[-1] if raw and raw[-1] in _SECOND_BYTE else -1
+        self._lead = lead_byte(self._g.token_bytes, token)
         return True
+
+
+def lead_byte(token_bytes: list[bytes], token: int) -> int:
+    """The UTF-8 lead byte ``token`` ends with whose next byte UTF-8 restricts, or -1."""
+    raw = token_bytes[token] if token < len(token_bytes) else b""
+    return raw[-1] if raw and raw[-1] in _SECOND_BYTE else -1
+
+
+def ban_second_bytes(row: Tensor, lead: int, first_byte: Tensor) -> None:
+    """Set ``row`` [vocab]'s tokens that cannot follow the lead byte ``lead`` to -inf."""
+    lo, hi = _SECOND_BYTE[lead]
+    outside = (first_byte < lo) | (first_byte > hi)
+    row[: outside.shape[0]][outside] = -torch.inf
 
 
 def apply_all(logits: Tensor, rows: list[tuple[int, Matcher]]) -> None:
@@ -190,15 +218,26 @@ class Grammars:
         self._info: Any = None
         self._compiler: Any = None
         self._pool: CompilePool | None = None
+        # Compiles in this process of sources the compiler process has checked: one at a time,
+        # off the event loop, the engine's thread and the pool's reader.
+        self._thread: ThreadPoolExecutor | None = None
+        # Compiles started (not answered from the cache or the refusals): what tests count.
+        self.compiles = 0
         self.banned = torch.empty(0, dtype=torch.long)
         self.token_bytes: list[bytes] = []
         self.first_byte = torch.empty(0, dtype=torch.int16)
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache_bytes = 0
         # Compiles under way, by key: a second request for the same source waits on the first.
         self._pending: dict[str, Future[Any]] = {}
         self._refused: OrderedDict[bytes, str] = OrderedDict()
         self.batch: Any = None
+
+    @property
+    def xgr(self) -> Any:
+        """The xgrammar module (imported on first use)."""
+        return self._load()
 
     def _load(self) -> Any:
         with self._lock:
@@ -227,7 +266,12 @@ class Grammars:
         if self.budget is None:
             self._compiler = xgrammar.GrammarCompiler(self._info, cache_enabled=False)
         else:
+            # One thread, as in the compiler process: a checked compile takes one core at most.
+            self._compiler = xgrammar.GrammarCompiler(
+                self._info, max_threads=1, cache_enabled=False
+            )
             self._pool = CompilePool(self._info.serialize_json(), self.budget)
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="kern-grammar")
         # Fills every row's mask in one call (C++ threads; the masks do not depend on how many).
         self.batch = xgrammar.BatchGrammarMatcher(BATCH_THREADS)
         eos = set(self.tokenizer.eos_token_ids)
@@ -250,6 +294,13 @@ class Grammars:
         ``{"type": "text"}``. Blocks until compiled. Raises :class:`StructuredOutputError`."""
         source = self.source(response_format, think)
         return None if source is None else self.submit(source).result()
+
+    def submit_format(
+        self, response_format: dict[str, Any], think: dict[str, Any] | None = None
+    ) -> Future[Any] | None:
+        """:meth:`submit` of :meth:`source`: None for ``{"type": "text"}``."""
+        source = self.source(response_format, think)
+        return None if source is None else self.submit(source)
 
     def compile_tools(
         self,
@@ -306,6 +357,11 @@ class Grammars:
         return self._tag(_after(think, calls), "a tool's parameters schema")
 
     def _tag(self, fmt: dict[str, Any], what: str) -> Source:
+        return self.tag_source(fmt, what)
+
+    def tag_source(self, fmt: dict[str, Any], what: str) -> Source:
+        """What to compile for the structural tag's element ``fmt``, named ``what`` in an
+        error. Raises :class:`StructuredOutputError` (the size budget too)."""
         tag = {"type": "structural_tag", "format": fmt}
         return self._source("structural_tag", tag, what, ban_controls=False)
 
@@ -324,7 +380,8 @@ class Grammars:
 
     def submit(self, source: Source) -> Future[Any]:
         """A future of ``source``'s compiled grammar: done at once when cached (or compiled
-        here, without a budget), else when the compiler process answers. It fails with
+        here, without a budget), else once the compiler process has checked it and this
+        process's compile thread has compiled it. It fails with
         :class:`StructuredOutputError` (the time budget too) or :class:`GrammarUnavailable`."""
         self._load()
         digest = hashlib.sha256(source.key.encode()).digest()
@@ -333,18 +390,31 @@ class Grammars:
                 self._cache.move_to_end(source.key)
                 return _done(self._cache[source.key])
             if digest in self._refused:
-                return _done(error=StructuredOutputError(self._refused[digest]))
+                return _done(error=_refusal(source, self._refused[digest]))
             if source.key in self._pending:
                 return self._pending[source.key]
             outer: Future[Any] = Future()
             self._pending[source.key] = outer
+            self.compiles += 1
         if self._pool is None:
             self._landed(source, outer, self._compile_here(source))
         else:
             self._pool.submit(source.kind, source.key).add_done_callback(
-                lambda inner: self._landed(source, outer, inner)
+                lambda checked: self._checked(source, outer, checked)
             )
         return outer
+
+    def _checked(self, source: Source, outer: Future[Any], checked: Future[float]) -> None:
+        """The compiler process's answer (its reader thread): a source that compiled there
+        within the budget is compiled again on this process's compile thread (no grammar
+        crosses the process boundary: see kern.engine.grammar_compile); a refusal is final."""
+        if checked.exception() is not None or self._thread is None:
+            self._landed(source, outer, checked)
+            return
+        try:
+            self._thread.submit(lambda: self._landed(source, outer, self._compile_here(source)))
+        except RuntimeError:  # closed: the server is stopping
+            self._landed(source, outer, _done(error=CompilerUnavailable("closed")))
 
     def _compile_here(self, source: Source) -> Future[Any]:
         try:
@@ -354,50 +424,53 @@ class Grammars:
             return _done(error=CompileFailed(reason(e)))
 
     def _landed(self, source: Source, outer: Future[Any], inner: Future[Any]) -> None:
-        """Complete ``outer`` from the compile ``inner`` (the pool's reader thread): the
-        grammar (deserialized if it came from the compiler process) cached, or the refusal
-        said and remembered."""
+        """Complete ``outer`` from the compile ``inner`` (this process's compile, or the
+        compiler process's refusal): the grammar cached, or the refusal said and
+        remembered."""
         error: BaseException | None = None
         compiled: Any = None
         try:
-            grammar = inner.result()
-            if isinstance(grammar, str):
-                grammar = self._xgr.CompiledGrammar.deserialize_json(grammar, self._info)
-            compiled = (grammar, source.ban_controls)
+            compiled = (inner.result(), source.ban_controls)
         except CompileFailed as e:
-            error = StructuredOutputError(f"{source.what} does not compile: {e}")
+            error = _refusal(source, f"does not compile: {e}")
         except CompileTimeout as e:
             assert self.budget is not None
-            error = StructuredOutputError(
-                f"{source.what} did not compile within the grammar time budget of "
-                f"{self.budget.timeout:g} s of CPU (the server's grammar_timeout; killed at {e})"
+            error = _refusal(
+                source,
+                f"did not compile within the grammar time budget of {self.budget.timeout:g} s "
+                f"of CPU (the server's grammar_timeout; killed at {e})",
             )
         except CompilerUnavailable as e:
             error = GrammarUnavailable(f"the grammar compiler failed: {e}")
-        except Exception as e:  # a compiled grammar that does not deserialize: kern's fault
-            error = GrammarUnavailable(f"the compiled grammar did not load: {reason(e)}")
         with self._lock:
             self._pending.pop(source.key, None)
             if isinstance(error, StructuredOutputError):
-                self._refused[hashlib.sha256(source.key.encode()).digest()] = str(error)
+                self._refused[hashlib.sha256(source.key.encode()).digest()] = error.reason
                 if len(self._refused) > REFUSED_SIZE:
                     self._refused.popitem(last=False)
             elif error is None:
                 self._cache[source.key] = compiled
-                if len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                self._cache_bytes += _size(compiled)
+                while len(self._cache) > CACHE_SIZE or self._cache_bytes > CACHE_BYTES:
+                    self._cache_bytes -= _size(self._cache.popitem(last=False)[1])
         if error is None:
             outer.set_result(compiled)
         else:
             outer.set_exception(error)
 
     def close(self) -> None:
-        """End the compiler process, if one runs."""
+        """End the compiler process, if one runs, and the compile thread."""
         if self._pool is not None:
             self._pool.close()
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
 
-    def matcher(self, compiled: Any) -> Matcher:
-        return Matcher(self._xgr, compiled, self)
+    def matcher(self, compiled: Any) -> Any:
+        """A request's grammar state for ``compiled`` (a future's result): a :class:`Matcher`,
+        or what a lazily held tool set makes (kern.engine.tool_calls.ToolSet.matcher)."""
+        if isinstance(compiled, tuple):
+            return Matcher(self._xgr, compiled, self)
+        return compiled.matcher()
 
 
 def _after(think: dict[str, Any] | None, answer: dict[str, Any]) -> dict[str, Any]:
@@ -405,6 +478,14 @@ def _after(think: dict[str, Any] | None, answer: dict[str, Any]) -> dict[str, An
     if think is None:
         return answer
     return {"type": "sequence", "elements": [think, answer]}
+
+
+def _size(compiled: tuple[Any, bool]) -> int:
+    return int(getattr(compiled[0], "memory_size_bytes", 0))
+
+
+def _refusal(source: Source, why: str) -> StructuredOutputError:
+    return StructuredOutputError(f"{source.what} {why}", reason=why)
 
 
 def _done(value: Any = None, *, error: BaseException | None = None) -> Future[Any]:

@@ -19,7 +19,8 @@ from kern.chat_formats import DEFAULT, ChatFormat, Reasoning
 from kern.engine.params import SamplingParams
 from kern.engine.request import LimitError, Request
 from kern.engine.scheduler import Scheduler
-from kern.engine.structured import Grammars, GrammarUnavailable, Source, StructuredOutputError
+from kern.engine.structured import Grammars, GrammarUnavailable, StructuredOutputError
+from kern.engine.tool_calls import submit_tools
 from kern.server import api
 from kern.server.api import ApiError
 from kern.server.http import Receive, Send, respond
@@ -241,17 +242,20 @@ class OpenAI:
                 {"name": t.function.name, "parameters": t.function.parameters} for t in body.tools
             ]
             choice, parallel = body.tool_choice_name(), body.parallel_tool_calls is not False
-            source: Callable[[], Source | None] = partial(
-                self.grammars.tools_source, specs, choice, parallel, think, self.chat_format
+            submit: Callable[[], Future[object] | None] = partial(
+                submit_tools,
+                self.grammars,
+                specs,
+                choice,
+                parallel,
+                self.reasoning,
+                opened,
+                self.chat_format,
             )
         elif fmt is None:
             return None
         else:
-            source = partial(self.grammars.source, fmt, think)
-
-        def submit() -> Future[object] | None:
-            what = source()
-            return None if what is None else self.grammars.submit(what)
+            submit = partial(self.grammars.submit_format, fmt, think)
 
         try:
             # The source is built (and its size checked) off the event loop; the compile runs
@@ -259,7 +263,7 @@ class OpenAI:
             future = await asyncio.to_thread(submit)
             compiled = None if future is None else await asyncio.wrap_future(future)
         except StructuredOutputError as e:
-            param = "tools" if tools else "response_format"
+            param = e.param or ("tools" if tools else "response_format")
             raise ApiError(400, f"{param}: {e}", param=param) from None
         except GrammarUnavailable as e:
             raise ApiError(503, str(e), type="server_error") from None
