@@ -34,7 +34,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
+        yield c
 
 
 def chat(srv: Server, **body) -> httpx.Response:
@@ -201,7 +202,12 @@ def thinking(tmp_path_factory):
 
 
 def test_reasoning_is_split_streamed_or_not(thinking):
-    client = openai.OpenAI(base_url=thinking.url + "/v1", api_key=KEY, max_retries=0)
+    # Closed at the end: a client left to the garbage collector warns of its socket.
+    with openai.OpenAI(base_url=thinking.url + "/v1", api_key=KEY, max_retries=0) as client:
+        _split_streamed_or_not(thinking, client)
+
+
+def _split_streamed_or_not(thinking, client):
     body = dict(model=MODEL, messages=ASK, max_tokens=12, temperature=0)
     out = client.chat.completions.create(**body, extra_body={"return_token_ids": True})
     msg = out.choices[0].message
