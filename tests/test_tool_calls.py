@@ -290,3 +290,21 @@ def test_an_agent_sized_tool_list_streams_through_kern_serve(make_server, tmp_pa
     print(f"first streamed token: {cold:.2f} s with {len(tools)} new tools (compiler start "
           f"included), {subset:.2f} s with a cached subset of 7")  # fmt: skip
     assert cold < 120 and subset < 60
+
+
+def test_a_vocabulary_not_a_multiple_of_32_is_masked_in_bounds(make_server, tmp_path):
+    """A 518-token vocabulary: the lazy matcher's masks keep the bits past the vocabulary set,
+    as xgrammar's do (a clear one made xgrammar 0.2.8's CPU apply write past the logits row:
+    kern serve died of a heap corruption on the first decode step with tools)."""
+    from kern.tiny import make_tiny
+
+    ckpt = make_tiny("qwen3", tmp_path / "odd", vocab=518)
+    srv = make_server("odd-vocab", pool_bytes="4MiB", model=ckpt)
+    tools = [{"type": "function", "function": {"name": "Read", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}]  # fmt: skip
+    for temperature in (0, 1):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                "tool_choice": "auto", "max_tokens": 16, "temperature": temperature}  # fmt: skip
+        r = srv.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+    assert srv.proc.poll() is None

@@ -314,8 +314,11 @@ def _overlap(text: bytes, marker: bytes) -> int:
 
 
 def _pack(allowed: Tensor, words: int) -> Tensor:
-    """``allowed`` [vocab] bools as xgrammar's bitmask [words] (bit i of word i // 32)."""
-    bits = torch.zeros(words * 32, dtype=torch.int64)
+    """``allowed`` [vocab] bools as xgrammar's bitmask [words] (bit i of word i // 32). The
+    bits past the vocabulary are set, as xgrammar's own masks have them: xgrammar 0.2.8's CPU
+    apply writes past the logits row for a clear one (a heap corruption, seen with a
+    518-token vocabulary)."""
+    bits = torch.ones(words * 32, dtype=torch.int64)
     bits[: allowed.shape[0]] = allowed.to(torch.int64)
     packed = (bits.view(words, 32) << torch.arange(32)).sum(1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
