@@ -451,3 +451,13 @@ def test_a_cut_tool_call_leaks_no_markup_over_http(server):
     assert msg.status_code == 200, msg.text
     assert msg.json()["stop_reason"] == "max_tokens"
     assert all("<tool_call>" not in b.get("text", "") for b in msg.json()["content"])
+
+
+def test_claude_codes_warm_up_probe_answers_without_the_key(server):
+    """Claude Code sends HEAD /api/hello without its key as it starts (unless told not to
+    with CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC): a 2xx like /health's."""
+    import httpx
+
+    assert httpx.head(server.url + "/api/hello").status_code == 200
+    assert httpx.get(server.url + "/api/hello").text == "ok\n"
+    assert httpx.get(server.url + "/v1/models").status_code == 401

@@ -47,6 +47,9 @@ __all__ = ["App", "app"]
 
 log = logging.getLogger("kern")
 
+# Routes that answer without the API key: liveness only (/api/hello: Claude Code's probe).
+_KEYLESS = frozenset({"/health", "/api/hello"})
+
 CRASH_EXIT_CODE = 101
 # Seconds between a scheduler failure and the exit: the open requests' ends reach their
 # clients meanwhile, and new requests get a 503.
@@ -92,6 +95,8 @@ class App:
             "/tokenize": ("POST", self._tokenize),
             "/detokenize": ("POST", self._detokenize),
             "/health": ("GET", self._health),
+            # Claude Code's warm-up probe (HEAD, no key) as it starts: the server is there.
+            "/api/hello": ("GET", self._health),
             "/metrics": ("GET", self._metrics),
             "/version": ("GET", self._version),
             "/openapi.json": ("GET", self._openapi),
@@ -238,9 +243,9 @@ class App:
                 if preflight is not None:
                     await respond(send_tagged, 204, b"", preflight)
                     return
-            # Auth first, for every route but /health: without the key, a client learns
-            # nothing, not even which routes exist.
-            if path != "/health" and self.api_key is not None:
+            # Auth first, for every route but the liveness ones: without the key, a client
+            # learns nothing, not even which routes exist.
+            if path not in _KEYLESS and self.api_key is not None:
                 self._authorize(scope)
             route = self._routes.get(path)
             if route is None and path.startswith("/v1/models/"):

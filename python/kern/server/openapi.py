@@ -61,6 +61,7 @@ ROUTES: tuple[tuple[str, str, type | None, Answer, bool], ...] = (
     ("/v1/responses", "post", ResponsesRequest, "object", True),
     ("/v1/responses/{response_id}", "get", None, "object", False),
     ("/health", "get", None, "text", False),
+    ("/api/hello", "get", None, "text", False),
     ("/metrics", "get", None, "text", False),
     ("/version", "get", None, Version, False),
     ("/openapi.json", "get", None, "object", False),
@@ -128,8 +129,8 @@ def document() -> dict[str, Any]:
                 {"name": _PARAMS[p], "in": "path", "required": True, "schema": {"type": "string"}}
                 for p in params
             ]
-        if path == "/health":
-            op["security"] = []  # the one route served without the key
+        if path in ("/health", "/api/hello"):
+            op["security"] = []  # the liveness routes, served without the key
         paths[path] = {method: op}
     return {
         "openapi": "3.1.0",
