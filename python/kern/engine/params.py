@@ -75,7 +75,7 @@ class Context:
     tokens: Sequence[int]
     num_prompt: int
     banned: frozenset[int] = frozenset()
-    # A structured-output matcher (kern.engine.structured.Matcher): masks the row's logits [1, V].
+    # A structured-output matcher (kern.engine.masks.Matcher): masks the row's logits [1, V].
     grammar: Any = None
     # The request's tokens as a tensor, kept across steps (converting a whole context to a
     # tensor every step cost ~10 us per 160 tokens per row); None: converted here.

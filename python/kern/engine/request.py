@@ -64,7 +64,7 @@ class Request:
     # End of sequence and stop ids are banned until this many tokens are out.
     min_tokens: int = 0
     # Structured output: a matcher the sampler masks with and this thread feeds each token
-    # (kern.engine.structured.Matcher; opaque here).
+    # (kern.engine.masks.Matcher; opaque here).
     grammar: Any = None
     # False for the 2nd..nth sequence of a request of n choices: its prompt counts once (in
     # the prompt and prefix-cache metrics).

@@ -217,7 +217,7 @@ def _process(
     assert x.shape[0] == n
     grammars = [(k, c.grammar) for k, c in enumerate(contexts) if c.grammar is not None]
     if grammars:
-        from kern.engine.structured import Matcher, apply_all
+        from kern.engine.masks import Matcher, apply_all
 
         # kern's matchers fill one bitmask for the step; any other masks its own row.
         apply_all(x, [(k, g) for k, g in grammars if isinstance(g, Matcher)])

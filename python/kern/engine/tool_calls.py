@@ -34,7 +34,7 @@ Design notes
   in free text or after a finished call.
 * Free-text masks depend only on where the text is in the markers: computed once per such
   state and tokenizer (one pass over the vocabulary), cached. The UTF-8 second-byte rule is
-  kern.engine.structured.Matcher's; ids past the tokenizer's vocabulary and tokens without
+  kern.engine.masks.Matcher's; ids past the tokenizer's vocabulary and tokens without
   bytes are never allowed there, as in xgrammar.
 * Speculative decoding never drafts for a request with a grammar (kern.engine.drafters), so
   the matcher needs what the sampler and the request use and no more: ``apply``, ``accept``
@@ -53,12 +53,8 @@ import torch
 from torch import Tensor
 
 from kern.chat_formats import ChatFormat, Reasoning
-from kern.engine.structured import (
-    Grammars,
-    StructuredOutputError,
-    ban_second_bytes,
-    lead_byte,
-)
+from kern.engine.masks import ban_second_bytes, lead_byte
+from kern.engine.structured import Grammars, StructuredOutputError
 
 __all__ = ["ToolCallMatcher", "ToolSet", "submit_tools"]
 
