@@ -31,11 +31,12 @@ from kern.engine.thread import start_scheduler
 from kern.kern_toml import Target
 from kern.metrics import Metrics
 from kern.server import anthropic_messages, api, heap, openai_responses, openapi
+from kern.server.anthropic_betas import note_betas
 from kern.server.api import ApiError
 from kern.server.cors import Cors
 from kern.server.drain import Admission, retry_elsewhere
 from kern.server.hangup import StepGate
-from kern.server.http import JSON, Disconnected, Receive, Scope, Send, respond
+from kern.server.http import JSON, Disconnected, Receive, Scope, Send, headers_only, respond
 from kern.server.logs import RECORD, RequestRecord, StatsLine, request_id
 from kern.server.openai import OpenAI
 from kern.server.openai_responses_types import ResponseStore
@@ -257,7 +258,7 @@ class App:
             method, handler = route
             allowed = "GET, HEAD" if method == "GET" else method
             if scope["method"] == "HEAD" and method == "GET":
-                send_tagged = _headers_only(send_tagged)
+                send_tagged = headers_only(send_tagged)
             elif scope["method"] != method:
                 raise ApiError(
                     405,
@@ -374,7 +375,7 @@ class App:
 
     async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._body(scope, receive)
-        anthropic_messages.note_betas(scope["headers"])
+        note_betas(scope["headers"])
         await anthropic_messages.create(self._handlers, body, receive, send)
 
     async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -437,17 +438,6 @@ def _require_json(scope: Scope) -> None:
         f"a POST body must be JSON sent with Content-Type: application/json (got {sent})",
         code="unsupported_media_type",
     )
-
-
-def _headers_only(send: Send) -> Send:
-    """``send`` for a HEAD request: the GET response's status and headers, no body."""
-
-    async def send_head(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.body":
-            message = {"type": "http.response.body", "body": b"", "more_body": False}
-        await send(message)
-
-    return send_head
 
 
 app = App()

@@ -26,7 +26,7 @@ Design notes
   writes no summaries). Without ``thinking`` the template's default holds.
 * ``output_config.effort``: a template with its own ``reasoning_effort`` gets it (``xhigh``
   and ``max`` as ``high``); otherwise, where the model reasons, ``low`` and ``medium`` cap the
-  thinking as a budget would (:data:`EFFORT_BUDGETS`), ``high`` and above leave it to
+  thinking as a budget would (kern.server.anthropic_thinking), ``high`` and above leave it to
   ``max_tokens``. A model served without a reasoning parser does not think: effort has no
   effect there (a debug log line says so).
 * ``context_management`` (kern.server.anthropic_context): the clear-thinking and
@@ -34,8 +34,8 @@ Design notes
   reports ``context_management.applied_edits`` (in the Message, and in a stream's
   ``message_delta``).
 * ``tools[].defer_loading`` is accepted: kern loads every tool at once (deferring saves only
-  the vendor's context). The ``anthropic-beta`` header asks kern for nothing: :data:`BETAS`
-  says what each value Claude Code sends means here.
+  the vendor's context). The ``anthropic-beta`` header asks kern for nothing:
+  kern.server.anthropic_betas says what each value Claude Code sends means here.
 * ``output_config.format`` (a JSON schema) constrains the text as chat's ``response_format``
   does. Sampling takes ``temperature`` / ``top_p`` / ``top_k`` (older SDKs send them; newer
   ones through ``extra_body``).
@@ -61,11 +61,12 @@ from msgspec import Meta, Struct
 from kern.server import api
 from kern.server.anthropic_context import ContextManagement, apply_edits
 from kern.server.anthropic_run import MessagesRun
+from kern.server.anthropic_thinking import thinking_budget, thinking_kwargs
 from kern.server.api import ApiError
 from kern.server.http import Receive, Send, respond
 from kern.server.openai import OpenAI
 
-__all__ = ["BETAS", "CountTokensRequest", "MessagesRequest", "count_tokens", "create", "note_betas"]
+__all__ = ["CountTokensRequest", "MessagesRequest", "count_tokens", "create"]
 
 log = logging.getLogger("kern")
 
@@ -132,44 +133,6 @@ class MessagesRequest(_Prompt, kw_only=True, forbid_unknown_fields=True):
     metadata: dict[str, Any] | None = None
     # "auto" / "standard_only": kern has one tier.
     service_tier: Literal["auto", "standard_only"] | None = None
-
-
-# Thinking tokens an effort allows where the model reasons (high, xhigh and max: up to
-# max_tokens, as without one); the template's own reasoning_effort takes precedence.
-EFFORT_BUDGETS = {"low": 2_048, "medium": 8_192}
-# reasoning_effort values for the efforts a template's scale (low, medium, high) lacks.
-_TEMPLATE_EFFORT = {"xhigh": "high", "max": "high"}
-
-# The anthropic-beta values kern knows, and what each asks of kern. kern reads no beta flag:
-# what it implements is on without one, and a feature's request fields it lacks are refused
-# by name whatever the header says. Others are named in a debug log line (note_betas).
-BETAS = {
-    "claude-code-20250219": "names the client (Claude Code); asks for nothing",
-    "interleaved-thinking-2025-05-14": "thinking between tool calls: each answer after a tool "
-    "result may open its own reasoning block",
-    "context-management-2025-06-27": "context_management: implemented",
-    "effort-2025-11-24": "output_config.effort: implemented",
-    "mid-conversation-tool-changes-2026-07-01": "tools that change between turns: each request "
-    "renders its own tools",
-    "advanced-tool-use-2025-11-20": "tools[].defer_loading: every tool is loaded at once",
-    "thinking-token-count-2026-05-13": "no thinking-token count is reported: usage.output_tokens "
-    "includes the thinking",
-    "prompt-caching-2024-07-31": "every prompt prefix is cached without markers",
-    "token-counting-2024-11-01": "POST /v1/messages/count_tokens: implemented",
-    "fine-grained-tool-streaming-2025-05-14": "a tool call's input streams in one delta, "
-    "once whole",
-    "output-128k-2025-02-19": "max_tokens is bound by the model's context only",
-    "structured-outputs-2025-11-13": "output_config.format: implemented",
-}
-
-
-def note_betas(headers: list[tuple[bytes, bytes]]) -> None:
-    """Log, at debug level, the anthropic-beta values kern does not know (see :data:`BETAS`)."""
-    for name, value in headers:
-        if name == b"anthropic-beta":
-            unknown = [b for b in value.decode("latin-1").split(",") if b.strip() not in BETAS]
-            if unknown:
-                log.debug("anthropic-beta %s: not known to kern (no effect)", ",".join(unknown))
 
 
 # Anthropic's error type for each status.
@@ -372,7 +335,7 @@ def to_chat(handlers: OpenAI, req: _Prompt, stream: bool = False) -> api.ChatCom
             parallel = False
         if tools is None and tc.type != "none":
             raise _refuse("tool_choice", f"tool_choice {tc.type!r} needs tools")
-    kwargs = _thinking_kwargs(handlers, req)
+    kwargs = thinking_kwargs(handlers, req)
     fields: dict[str, Any] = {}
     if isinstance(req, MessagesRequest):
         if req.thinking is not None and req.thinking.budget_tokens is not None:
@@ -405,48 +368,6 @@ def to_chat(handlers: OpenAI, req: _Prompt, stream: bool = False) -> api.ChatCom
         )
     except ValueError as e:
         raise api._validation_error(str(e)) from None
-
-
-def _thinking_kwargs(handlers: OpenAI, req: _Prompt) -> dict[str, Any]:
-    """The chat template's variables ``thinking`` and ``output_config.effort`` set."""
-    kwargs: dict[str, Any] = {}
-    template = handlers.tokenizer.chat_template or ""
-    if req.thinking is not None:
-        # adaptive lets the model not think: without a reasoning parser it does not.
-        on = req.thinking.type == "enabled" or (
-            req.thinking.type == "adaptive" and handlers.reasoning is not None
-        )
-        if on and not handlers.reasoning:
-            raise _refuse("thinking", "this model is served without a reasoning parser")
-        if "enable_thinking" in template:
-            kwargs["enable_thinking"] = on
-        elif handlers.reasoning:
-            raise _refuse("thinking", "this model's chat template cannot turn thinking on or off")
-    effort = req.output_config.effort if req.output_config is not None else None
-    if effort is not None and handlers.reasoning is not None and "reasoning_effort" in template:
-        kwargs["reasoning_effort"] = _TEMPLATE_EFFORT.get(effort, effort)
-    return kwargs
-
-
-def thinking_budget(handlers: OpenAI, req: MessagesRequest) -> int | None:
-    """The thinking tokens an answer may take: ``thinking.budget_tokens``, else what
-    ``output_config.effort`` maps to (:data:`EFFORT_BUDGETS`) where the model reasons and its
-    template has no effort of its own; None: up to ``max_tokens``."""
-    if req.thinking is not None and req.thinking.budget_tokens is not None:
-        return req.thinking.budget_tokens
-    effort = req.output_config.effort if req.output_config is not None else None
-    if effort is None:
-        return None
-    template = handlers.tokenizer.chat_template or ""
-    if handlers.reasoning is None:
-        log.debug(
-            "output_config.effort %r: no effect, the model is served without reasoning", effort
-        )
-        return None
-    if "reasoning_effort" in template:
-        return None
-    budget = EFFORT_BUDGETS.get(effort)
-    return budget if budget is not None and budget < req.max_tokens else None
 
 
 async def create(handlers: OpenAI, raw: bytes, receive: Receive, send: Send) -> None:

@@ -31,6 +31,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct
 
+from kern.server.request_context import current_id
+
 __all__ = [
     "ApiError",
     "ChatCompletionRequest",
@@ -736,12 +738,7 @@ def unknown_fields(names: list[str], allow: bool) -> None:
             param=names[0][:MAX_ECHO],
             code="unknown_parameter",
         )
-    from kern.server.logs import RECORD
-
-    record = RECORD.get()
-    _log.warning(
-        "request %s: dropped unknown field%s %s", record.id if record else "-", plural, listed
-    )
+    _log.warning("request %s: dropped unknown field%s %s", current_id(), plural, listed)
 
 
 def decode(body: bytes, type_: type[T], *, allow_unknown: bool = False) -> T:

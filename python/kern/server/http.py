@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "DONE",
     "JSON",
+    "headers_only",
     "SSE",
     "Disconnected",
     "Headers",
@@ -56,3 +57,14 @@ async def send_sse(send: Send, lines: list[bytes]) -> None:
     if lines:
         body = b"".join(b"data: " + line + b"\n\n" for line in lines)
         await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+def headers_only(send: Send) -> Send:
+    """``send`` for a HEAD request: the GET response's status and headers, no body."""
+
+    async def send_head(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            message = {"type": "http.response.body", "body": b"", "more_body": False}
+        await send(message)
+
+    return send_head

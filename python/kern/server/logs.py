@@ -19,7 +19,6 @@ Design notes
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import sys
 import time
@@ -27,6 +26,8 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from kern.server.request_context import RECORD
 
 if TYPE_CHECKING:
     from kern.metrics import Metrics
@@ -102,13 +103,6 @@ class RequestRecord:
         else:
             level = logging.DEBUG
         log.log(level, "%s", " ".join(parts))
-
-
-# The current HTTP request's record: the app sets it (each ASGI request runs in its own task
-# and context), the handlers fill it.
-RECORD: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
-    "kern_request", default=None
-)
 
 
 class StatsLine:
