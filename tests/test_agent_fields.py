@@ -461,3 +461,15 @@ def test_claude_codes_warm_up_probe_answers_without_the_key(server):
     assert httpx.head(server.url + "/api/hello").status_code == 200
     assert httpx.get(server.url + "/api/hello").text == "ok\n"
     assert httpx.get(server.url + "/v1/models").status_code == 401
+
+
+def test_the_environment_variable_turns_the_switch_on_under_kern_serve(tmp_path):
+    """KERN_ALLOW_UNKNOWN_FIELDS=1, read by kern serve as by plain hypercorn."""
+    srv = Server(tmp_path, "env", pool_bytes="4MiB", model=default_model_path(),
+                 env={"KERN_ALLOW_UNKNOWN_FIELDS": "1"})  # fmt: skip
+    try:
+        r = srv.http.post("/v1/messages", json=_messages_body(zzz_top=1))
+        assert r.status_code == 200, r.text
+        assert "dropped unknown field 'zzz_top'" in srv.output()
+    finally:
+        srv.close()
