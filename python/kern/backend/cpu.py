@@ -108,6 +108,9 @@ class CpuOps:
 
     def __init__(self) -> None:
         self.onednn = onednn_rows_hold()
+        # Attention's score and block buffers, kept across steps (a runner runs one forward
+        # at a time): fresh multi-MB buffers cost their page faults every layer.
+        self.attention_scratch: dict = {}
 
     def prepare_linear(self, w: Tensor) -> CpuLinear:
         """A checkpoint's [out, in] weight in the layout :meth:`linear` runs (see the notes)."""
@@ -221,6 +224,7 @@ class CpuOps:
             kv_arena.stride(0),
             step.page_ids,
             step.page_offsets,
+            self.attention_scratch,
         )
 
     def plan_latent_attention(self, step: Step, kv_arena: Tensor, num_heads: int):
@@ -239,6 +243,7 @@ class CpuOps:
             kv_arena.stride(0),
             step.page_ids,
             step.page_offsets,
+            self.attention_scratch,
         )
 
     def write_latent(self, step: Step, entry: Tensor, cache: Tensor) -> None:

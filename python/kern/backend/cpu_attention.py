@@ -26,10 +26,30 @@ Design notes
     and scalar loops). Hidden keys get p = 0 exactly, so a block past a row's position adds
     exact zeros.
   - Per-block partial sums (denominator and p @ V) are added across blocks by a pairwise tree
-    over a power-of-two count, zero padded: trailing zero blocks fold away exactly, so a row
-    gets the bits it would get with only its own blocks, however many blocks its batch had.
+    over a power-of-two count, zero padded (kern.backend.tree_sum): trailing zero blocks fold
+    away exactly, so a row gets the bits it would get with only its own blocks, however many
+    blocks its batch had.
   The result differs from transformers' eager softmax-then-matmul by float32 rounding only
   (and by exponents below -87 being clamped there: a weight of 1.6e-38 instead of less).
+* Speed without new bits (a long prompt's prefill is nearly all attention on the CPU; each
+  point below left every output bit as it was, checked against the plain formulation):
+  - Scores are made and used one key chunk at a time (``CHUNK_BYTES``, whole blocks), so a
+    chunk is still in cache from its matmul to its values matmul: pass one makes a chunk's
+    scores and takes its max, the row's max being the max of the chunks' (exact); pass two
+    takes each chunk through exp, the block sums and p @ V. A score's bits do not depend on
+    how many keys its matmul had (above), nor an exp's or a block's on their neighbours.
+  - The bias and the visibility mask are added and multiplied only from a group's first
+    block that hides a key (``tail``): before it they are +0 and 1, exact no-ops (a -0.0
+    score made +0.0 by the bias gives the same exp).
+  - With few (unit, KV head) pairs, the values matmul reads each block's probabilities in
+    place, [NB, M, KB] with a row stride of the chunk's keys, one bmm per pair, where a
+    [I, Hk, NB, M, KB] copy of every probability cost as much as the matmuls; the strided
+    and the copied operand gave the same bits.
+  - Those two are for groups of many keys (``LONG_BLOCKS``); a group of few keys goes through
+    the same ops in one pass on tensors of its own (fewer calls, for decode steps).
+  - Scores, block sums and per-block outputs go to buffers the backend keeps across layers
+    and steps (up to ``SCRATCH_KEEP`` each), and the block tree adds in place: fresh
+    multi-MB tensors cost their page faults every time.
 * Latent pages (multi-head latent attention, ``attend_latent``): every query head reads the
   one cached vector per token, the key being the whole vector and the value its first
   ``v_dim`` values. A unit's pages are gathered once as rows of ``page_tokens * C`` values;
@@ -44,177 +64,39 @@ Design notes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import Tensor
 
-from kern.arith import cdiv
+from kern.backend.cpu_attention_plan import (
+    KEY_BLOCK,
+    CpuAttentionPlan,
+    UnitGroup,
+    plan_attention,
+)
+from kern.backend.tree_sum import tree_sum_
 
-KEY_BLOCK = 32  # keys per block, in absolute positions of a sequence
-Q_TILE = 64  # query rows per unit when a sequence brings more than SMALL_ROWS rows
-SMALL_ROWS = 8  # sequences with at most this many rows (decode, verify) share one unit group
-# Matmul rows per (unit, KV head) at least: fewer take other kernels (see the notes).
-MIN_ROWS = 4
-# Elements of a group's largest intermediate (about units x KV heads x blocks x rows x
-# max(KEY_BLOCK, head_dim)) before prefill tiles go to another group: 8M floats, 32 MB.
-GROUP_BUDGET = 1 << 23
-_HIDDEN = -1e30  # added to a hidden key's score: below any real score, and finite
+__all__ = [
+    "CpuAttentionPlan",
+    "attend",
+    "attend_latent",
+    "kv_views",
+    "plan_attention",
+    "write_kv",
+    "write_latent",
+]
+
+# From this many key blocks a group takes the long path (key chunks, kept buffers); below
+# it the one-pass short path costs fewer calls. On the long path the values matmul reads the
+# probabilities in place, one bmm per (unit, KV head), if that is at most STRIDED_MATMULS
+# calls; otherwise one batched matmul over a copy costs fewer calls.
+LONG_BLOCKS = 64
+STRIDED_MATMULS = 32
+# Scores are made and used a key chunk at a time, about this many bytes, and at least
+# MIN_CHUNK_BLOCKS key blocks a chunk (2, 8 and 64 MiB tried on a 32k-token prefill with a
+# 1 MiB L2 a core and a 32 MiB L3: 8 MiB the fastest, by a few percent).
+CHUNK_BYTES = 1 << 23
+MIN_CHUNK_BLOCKS = 16
 _MIN_EXPONENT = -87.0  # exp(-87) = 1.6e-38, the smallest exponent with a normal result
-
-
-@dataclass(frozen=True, slots=True)
-class _Group:
-    """Units (sequence, query tile) that go through the same batched ops."""
-
-    rows: Tensor  # [I, R] int64: row of q for each unit row (padding repeats the last row)
-    k_rows: Tensor  # [I * Hk * D * NP]: rows of page_tokens keys (see attend), in order
-    v_rows: Tensor  # [I * Hk * NP]: rows of page_tokens * D values
-    bias: Tensor  # [I, 1, R * n_rep, NB * KEY_BLOCK] float: 0 where visible, -1e30 where not
-    visible: Tensor  # same shape, float: 1 where visible, 0 where not
-    src: Tensor  # [n] int64: which of the I * R unit rows are real
-    dst: Tensor  # [n] int64: the q row each real unit row is
-    pages: Tensor  # [I * NP] int64: each unit's pages, in order (latent pages' rows)
-    num_blocks: int
-    # Gather buffers, allocated by the first layer and reused by the others: every layer's
-    # gather has the same shape, and fresh multi-MB buffers cost page faults each time.
-    scratch: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class CpuAttentionPlan:
-    """Index tensors for one forward, shared by every attention layer."""
-
-    groups: tuple[_Group, ...]
-    num_kv_heads: int
-    group_size: int  # query heads per KV head
-    page_ids: Tensor  # [T] int64: where this step's K/V go
-    page_offsets: Tensor  # [T] int64
-
-
-def plan_attention(
-    q_starts: list[int],
-    q_lens: list[int],
-    ctx_lens: list[int],
-    block_tables: Tensor,
-    page_tokens: int,
-    num_kv_heads: int,
-    group_size: int,
-    head_dim: int,
-    page_stride: int,
-    page_ids: Tensor,
-    page_offsets: Tensor,
-) -> CpuAttentionPlan:
-    """block_tables: [B, max_pages] int64 (padding entries are never read); page_stride:
-    elements from one page to the next in the arena; page_ids and page_offsets [T]: where
-    this step's rows write their K/V. page_tokens must be a power of two (so that pages and
-    key blocks tile each other).
-
-    Units are (sequence, tile of at most Q_TILE query rows). Short sequences (decode, verify)
-    form one group; prefill tiles are sorted by how many key blocks they read and packed
-    into groups under GROUP_BUDGET, so a batch of prompts is a few groups, not one per tile.
-    Any grouping gives the same bits (see the design notes): it only trades padding for ops.
-    """
-    if page_tokens & (page_tokens - 1):
-        raise ValueError(f"page_tokens must be a power of two, got {page_tokens}")
-    min_unit_rows = cdiv(MIN_ROWS, group_size)
-    layout = (num_kv_heads, head_dim, page_stride)
-    args = (
-        q_starts,
-        q_lens,
-        ctx_lens,
-        block_tables,
-        page_tokens,
-        group_size,
-        min_unit_rows,
-        layout,
-    )
-    small = [(b, 0, n) for b, n in enumerate(q_lens) if n <= SMALL_ROWS]
-    groups = [_group(small, *args)] if small else []
-    tiles = []
-    for b, n in enumerate(q_lens):
-        if n > SMALL_ROWS:
-            for t0 in range(0, n, Q_TILE):
-                rows = min(Q_TILE, n - t0)
-                last_pos = ctx_lens[b] - n + t0 + rows - 1
-                tiles.append((last_pos // KEY_BLOCK + 1, (b, t0, rows)))
-    tiles.sort(key=lambda x: x[0])
-    head_dim_cost = max(KEY_BLOCK, 128)
-    unit_cost = num_kv_heads * Q_TILE * group_size * head_dim_cost
-    pack: list[tuple[int, int, int]] = []
-    for nb, unit in tiles:
-        # Sorted by nb, so this unit's nb is the group's: cost = units * nb * unit_cost.
-        if pack and (len(pack) + 1) * nb * unit_cost > GROUP_BUDGET:
-            groups.append(_group(pack, *args))
-            pack = []
-        pack.append(unit)
-    if pack:
-        groups.append(_group(pack, *args))
-    return CpuAttentionPlan(tuple(groups), num_kv_heads, group_size, page_ids, page_offsets)
-
-
-def _group(
-    units,
-    q_starts,
-    q_lens,
-    ctx_lens,
-    block_tables,
-    page_tokens,
-    group_size,
-    min_unit_rows,
-    layout,
-) -> _Group:
-    hk, d, page_stride = layout
-    if len(units) * hk < 2:
-        units = [*units, *units]  # a batch of one matmul takes the plain gemm (see notes)
-    r = max(max(n for _, _, n in units), min_unit_rows)
-    seq = torch.tensor([b for b, _, _ in units])
-    t0 = torch.tensor([t for _, t, _ in units])
-    n = torch.tensor([k for _, _, k in units])
-    q_start = torch.tensor(q_starts)[seq]
-    ctx = torch.tensor(ctx_lens)[seq]
-    first_pos = ctx - torch.tensor(q_lens)[seq] + t0  # position of each unit's first row
-    local = torch.minimum(torch.arange(r)[None, :], (n - 1)[:, None])  # [I, R]
-    rows = q_start[:, None] + t0[:, None] + local
-    q_pos = first_pos[:, None] + local
-    last_pos = first_pos + n - 1
-    num_keys = (int(last_pos.max()) // KEY_BLOCK + 1) * KEY_BLOCK
-    # Whole pages are read; with pages longer than a key block the extra keys are masked
-    # blocks, which add exact zeros (so the bits do not depend on page_tokens).
-    num_pages = cdiv(num_keys, page_tokens)
-    num_blocks = num_pages * page_tokens // KEY_BLOCK
-    k_pos = torch.arange(num_blocks * KEY_BLOCK)
-    # Pages past a unit's context repeat its last page (any real page would do: masked).
-    page_idx = torch.minimum(torch.arange(num_pages)[None, :], ((ctx - 1) // page_tokens)[:, None])
-    pages = torch.gather(block_tables[seq], 1, page_idx)  # [I, NP]
-    # K: row (page, head, dim) of page_tokens keys; V: chunk (page, head) of page_tokens rows
-    # of D values, after the K half of the page (see kv_views).
-    k_rows = pages[:, None, None, :] * (page_stride // page_tokens) + torch.arange(hk * d).view(
-        1, hk, d, 1
-    )
-    v_rows = (
-        pages[:, None, :] * (page_stride // (page_tokens * d))
-        + hk
-        + torch.arange(hk)[None, :, None]
-    )
-    hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [I, R, NB*KB]
-    hidden = hidden.repeat_interleave(group_size, dim=1).unsqueeze(1)  # [I, 1, M, NB*KB]
-    visible = (~hidden).float()
-    bias = hidden.float() * _HIDDEN
-    real = torch.arange(r)[None, :] < n[:, None]
-    src = real.flatten().nonzero().flatten()
-    dst = rows.flatten()[src]
-    return _Group(
-        rows,
-        k_rows.flatten(),
-        v_rows.flatten(),
-        bias,
-        visible,
-        src,
-        dst,
-        pages.flatten(),
-        num_blocks,
-    )
 
 
 def kv_views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
@@ -310,42 +192,89 @@ def attend_latent(
 
 
 def _softmax_pv(
-    plan: CpuAttentionPlan, g: _Group, q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor
+    plan: CpuAttentionPlan, g: UnitGroup, q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor
 ) -> None:
     """One group's rows of ``out``: q [T, Hq, D], k [I, Hk, D, keys], v [I, Hk, NB, KB, Dv]."""
     num_q_heads, head_dim = q.shape[1:]
     hk, rep = plan.num_kv_heads, plan.group_size
     units, r = g.rows.shape
-    nb = g.num_blocks
     m = r * rep
     v_dim = v.shape[-1]
     # [I, Hk, M, D] with unit rows ordered (row, query head within the KV group)
     qg = q[g.rows].view(units, r, hk, rep, head_dim).permute(0, 2, 1, 3, 4)
     qg = qg.reshape(units, hk, m, head_dim)
-    s = torch.matmul(qg, k)  # [I, Hk, M, NB*KB]
     # Masking by arithmetic: a bool masked_fill/where ran ~15x slower than a multiply
     # here, and exp(-inf) and denormal results take slow paths (12x and 170x measured).
     # Hidden scores become -1e30 (the max stays a visible score, exactly), exponents
     # are clamped to >= -87 (exp stays a normal float) and hidden p are zeroed exactly.
-    s.mul_(scale).add_(g.bias)
-    s.sub_(s.amax(-1, keepdim=True)).clamp_(min=_MIN_EXPONENT)
-    p = s.exp_().mul_(g.visible).view(units, hk, m, nb, KEY_BLOCK)
-    denom = _tree_sum(p.sum(-1), 3)  # [I, Hk, M]
-    o = _tree_sum(torch.matmul(p.transpose(2, 3), v), 2)  # [I, Hk, M, Dv]
-    o = o / denom.unsqueeze(-1)
+    if g.num_blocks < LONG_BLOCKS:
+        o = _short(g, qg, k, v, scale)
+    else:
+        o = _long(plan, g, qg, k, v, scale)
     o = o.view(units, hk, r, rep, v_dim).permute(0, 2, 1, 3, 4)
     out[g.dst] = o.reshape(units * r, num_q_heads, v_dim)[g.src]
 
 
-def _tree_sum(x: Tensor, dim: int) -> Tensor:
-    """Sum over ``dim`` by halving a zero-padded power-of-two length (see design notes)."""
-    n = x.shape[dim]
-    width = 1 << (n - 1).bit_length()
-    if width != n:
-        pad = list(x.shape)
-        pad[dim] = width - n
-        x = torch.cat([x, x.new_zeros(pad)], dim=dim)
-    while width > 1:
-        width //= 2
-        x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
-    return x.squeeze(dim)
+def _short(g: UnitGroup, qg: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """A group of few keys in one pass, on tensors of its own -> [I, Hk, M, Dv]."""
+    units, hk, m, _ = qg.shape
+    tail = g.tail * KEY_BLOCK
+    s = torch.matmul(qg, k)
+    s.mul_(scale)
+    s[..., tail:].add_(g.bias)
+    s.sub_(s.amax(-1, keepdim=True)).clamp_(min=_MIN_EXPONENT).exp_()
+    s[..., tail:].mul_(g.visible)
+    p = s.view(units, hk, m, g.num_blocks, KEY_BLOCK)
+    denom = tree_sum_(p.sum(-1), 3)
+    return tree_sum_(torch.matmul(p.transpose(2, 3), v), 2) / denom.unsqueeze(-1)
+
+
+def _long(
+    plan: CpuAttentionPlan, g: UnitGroup, qg: Tensor, k: Tensor, v: Tensor, scale: float
+) -> Tensor:
+    """A group of many keys a key chunk at a time, in the backend's buffers (see the design
+    notes) -> [I, Hk, M, Dv]."""
+    units, hk, m, _ = qg.shape
+    nb, rows = g.num_blocks, units * hk * m
+    chunks = _key_chunks(rows, nb)
+    scores = plan.buffer("s", (rows * nb * KEY_BLOCK,), qg)
+    tail = g.tail * KEY_BLOCK
+    views, peak = [], None
+    for c0, c1 in chunks:
+        s = scores[rows * c0 : rows * c1].view(units, hk, m, c1 - c0)
+        torch.matmul(qg, k[..., c0:c1], out=s)
+        s.mul_(scale)
+        if c1 > tail:
+            a = max(tail, c0)
+            s[..., a - c0 :].add_(g.bias[..., a - tail : c1 - tail])
+        top = s.amax(-1, keepdim=True)
+        peak = top if peak is None else torch.maximum(peak, top, out=peak)
+        views.append(s)
+    sums = plan.buffer("sums", (units, hk, m, nb), qg)
+    blocks = plan.buffer("pv", (units, hk, nb, m, v.shape[-1]), qg)
+    strided = units * hk <= STRIDED_MATMULS
+    for (c0, c1), s in zip(chunks, views, strict=True):
+        s.sub_(peak).clamp_(min=_MIN_EXPONENT).exp_()
+        if c1 > tail:
+            a = max(tail, c0)
+            s[..., a - c0 :].mul_(g.visible[..., a - tail : c1 - tail])
+        b0, b1 = c0 // KEY_BLOCK, c1 // KEY_BLOCK
+        p = s.view(units, hk, m, b1 - b0, KEY_BLOCK)
+        torch.sum(p, -1, out=sums[..., b0:b1])
+        if strided:
+            for i in range(units):
+                for h in range(hk):
+                    torch.bmm(p[i, h].transpose(0, 1), v[i, h, b0:b1], out=blocks[i, h, b0:b1])
+        else:
+            blocks[:, :, b0:b1] = torch.matmul(p.transpose(2, 3), v[:, :, b0:b1])
+    return tree_sum_(blocks, 2) / tree_sum_(sums, 3).unsqueeze(-1)
+
+
+def _key_chunks(rows: int, num_blocks: int) -> list[tuple[int, int]]:
+    """[start, end) key ranges of whole blocks whose scores, ``rows`` a key, fill about
+    CHUNK_BYTES: a chunk's scores stay in cache from the matmul to the values matmul."""
+    per_chunk = max(CHUNK_BYTES // (4 * rows * KEY_BLOCK), MIN_CHUNK_BLOCKS)
+    return [
+        (b * KEY_BLOCK, min(b + per_chunk, num_blocks) * KEY_BLOCK)
+        for b in range(0, num_blocks, per_chunk)
+    ]

@@ -9,7 +9,7 @@ Design notes
   - Dot products are an elementwise product and a sum over the last, fixed-length dim (D,
     index_head_dim or the indexer's heads), never a matmul whose blocking follows the
     batch.
-  - Sums over keys are ``_tree_sum`` over a zero-padded power-of-two length: a row's keys
+  - Sums over keys are ``tree_sum`` over a zero-padded power-of-two length: a row's keys
     come first, hidden slots and padding add exact zeros, so a longer batch row changes
     nothing. The softmax max is exact in any order.
   - The compressors pool online (``kern.kernels.compressor_pool``): tokens enter a window's
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kern.backend.cpu_attention import _tree_sum
+from kern.backend.tree_sum import tree_sum
 from kern.batch import Step
 from kern.kernels.compressor_pool.reference import empty
 
@@ -307,8 +307,8 @@ def attend(
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
         top = torch.maximum(s.amax(-1), sinks)  # [r, H]
         e = torch.exp(s - top[..., None])
-        denom = _tree_sum(e, 2) + torch.exp(sinks - top)
-        o = _tree_sum(e[..., None] * keys[:, None, :, :], 2) / denom[..., None]
+        denom = tree_sum(e, 2) + torch.exp(sinks - top)
+        o = tree_sum(e[..., None] * keys[:, None, :, :], 2) / denom[..., None]
         out[a:b] = o.to(q.dtype)
     return out
 

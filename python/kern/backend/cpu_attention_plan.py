@@ -1,0 +1,217 @@
+"""Which query rows meet which keys in one CPU attention step: the plan every attention layer
+of a forward shares (units, groups, masks, gathers), and the buffers its groups reuse. The
+batch-invariance rules it serves are kern.backend.cpu_attention's design notes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kern.arith import cdiv
+
+__all__ = ["KEY_BLOCK", "CpuAttentionPlan", "UnitGroup", "plan_attention"]
+
+KEY_BLOCK = 32  # keys per block, in absolute positions of a sequence
+Q_TILE = 64  # query rows per unit when a sequence brings more than SMALL_ROWS rows
+SMALL_ROWS = 8  # sequences with at most this many rows (decode, verify) share one unit group
+# Matmul rows per (unit, KV head) at least: fewer take other kernels (see the notes).
+MIN_ROWS = 4
+# Elements of a group's largest intermediate (about units x KV heads x blocks x rows x
+# max(KEY_BLOCK, head_dim)) before prefill tiles go to another group: 8M floats, 32 MB.
+GROUP_BUDGET = 1 << 23
+# Bytes of one scratch buffer a backend keeps between steps at most (a larger one, a
+# decode batch of long contexts, is allocated for its step only, as before).
+SCRATCH_KEEP = 1 << 26
+_HIDDEN = -1e30  # added to a hidden key's score: below any real score, and finite
+
+
+@dataclass(frozen=True, slots=True)
+class UnitGroup:
+    """Units (sequence, query tile) that go through the same batched ops."""
+
+    rows: Tensor  # [I, R] int64: row of q for each unit row (padding repeats the last row)
+    k_rows: Tensor  # [I * Hk * D * NP]: rows of page_tokens keys (see attend), in order
+    v_rows: Tensor  # [I * Hk * NP]: rows of page_tokens * D values
+    tail: int  # first key block that hides a key from some row (masks start there)
+    bias: Tensor  # [I, 1, R * n_rep, (NB - tail) * KEY_BLOCK]: 0 where visible, -1e30 not
+    visible: Tensor  # same shape, float: 1 where visible, 0 where not
+    src: Tensor  # [n] int64: which of the I * R unit rows are real
+    dst: Tensor  # [n] int64: the q row each real unit row is
+    pages: Tensor  # [I * NP] int64: each unit's pages, in order (latent pages' rows)
+    num_blocks: int
+    # Gather buffers, allocated by the first layer and reused by the others: every layer's
+    # gather has the same shape, and fresh multi-MB buffers cost page faults each time.
+    scratch: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuAttentionPlan:
+    """Index tensors for one forward, shared by every attention layer."""
+
+    groups: tuple[UnitGroup, ...]
+    num_kv_heads: int
+    group_size: int  # query heads per KV head
+    page_ids: Tensor  # [T] int64: where this step's K/V go
+    page_offsets: Tensor  # [T] int64
+    # Scores, block sums and block outputs: buffers reused by every group and layer, and
+    # by later steps when the backend hands the plan its own dict (see the design notes).
+    scratch: dict = field(default_factory=dict)
+
+    def buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        """A contiguous ``shape`` view of the ``name`` buffer (contents undefined). One
+        over ``SCRATCH_KEEP`` bytes is allocated for this use only, not kept."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        if numel * like.element_size() > SCRATCH_KEEP:
+            return like.new_empty(shape)
+        buf = self.scratch.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype:
+            buf = self.scratch[name] = like.new_empty(numel)
+        return buf[:numel].view(shape)
+
+
+def plan_attention(
+    q_starts: list[int],
+    q_lens: list[int],
+    ctx_lens: list[int],
+    block_tables: Tensor,
+    page_tokens: int,
+    num_kv_heads: int,
+    group_size: int,
+    head_dim: int,
+    page_stride: int,
+    page_ids: Tensor,
+    page_offsets: Tensor,
+    scratch: dict | None = None,
+) -> CpuAttentionPlan:
+    """block_tables: [B, max_pages] int64 (padding entries are never read); page_stride:
+    elements from one page to the next in the arena; page_ids and page_offsets [T]: where
+    this step's rows write their K/V. page_tokens must be a power of two (so that pages and
+    key blocks tile each other). ``scratch``: a dict the caller keeps for its buffers across
+    steps (one forward at a time may use it); None: buffers for this plan only.
+
+    Units are (sequence, tile of at most Q_TILE query rows). Short sequences (decode, verify)
+    form one group; prefill tiles are sorted by how many key blocks they read and packed
+    into groups under GROUP_BUDGET, so a batch of prompts is a few groups, not one per tile.
+    Any grouping gives the same bits (see the design notes): it only trades padding for ops.
+    """
+    if page_tokens & (page_tokens - 1):
+        raise ValueError(f"page_tokens must be a power of two, got {page_tokens}")
+    min_unit_rows = cdiv(MIN_ROWS, group_size)
+    layout = (num_kv_heads, head_dim, page_stride)
+    args = (
+        q_starts,
+        q_lens,
+        ctx_lens,
+        block_tables,
+        page_tokens,
+        group_size,
+        min_unit_rows,
+        layout,
+    )
+    small = [(b, 0, n) for b, n in enumerate(q_lens) if n <= SMALL_ROWS]
+    groups = [_group(small, *args)] if small else []
+    tiles = []
+    for b, n in enumerate(q_lens):
+        if n > SMALL_ROWS:
+            for t0 in range(0, n, Q_TILE):
+                rows = min(Q_TILE, n - t0)
+                last_pos = ctx_lens[b] - n + t0 + rows - 1
+                tiles.append((last_pos // KEY_BLOCK + 1, (b, t0, rows)))
+    tiles.sort(key=lambda x: x[0])
+    head_dim_cost = max(KEY_BLOCK, 128)
+    unit_cost = num_kv_heads * Q_TILE * group_size * head_dim_cost
+    pack: list[tuple[int, int, int]] = []
+    for nb, unit in tiles:
+        # Sorted by nb, so this unit's nb is the group's: cost = units * nb * unit_cost.
+        if pack and (len(pack) + 1) * nb * unit_cost > GROUP_BUDGET:
+            groups.append(_group(pack, *args))
+            pack = []
+        pack.append(unit)
+    if pack:
+        groups.append(_group(pack, *args))
+    return CpuAttentionPlan(
+        tuple(groups),
+        num_kv_heads,
+        group_size,
+        page_ids,
+        page_offsets,
+        {} if scratch is None else scratch,
+    )
+
+
+def _group(
+    units,
+    q_starts,
+    q_lens,
+    ctx_lens,
+    block_tables,
+    page_tokens,
+    group_size,
+    min_unit_rows,
+    layout,
+) -> UnitGroup:
+    hk, d, page_stride = layout
+    if len(units) * hk < 2:
+        units = [*units, *units]  # a batch of one matmul takes the plain gemm (see notes)
+    r = max(max(n for _, _, n in units), min_unit_rows)
+    seq = torch.tensor([b for b, _, _ in units])
+    t0 = torch.tensor([t for _, t, _ in units])
+    n = torch.tensor([k for _, _, k in units])
+    q_start = torch.tensor(q_starts)[seq]
+    ctx = torch.tensor(ctx_lens)[seq]
+    first_pos = ctx - torch.tensor(q_lens)[seq] + t0  # position of each unit's first row
+    local = torch.minimum(torch.arange(r)[None, :], (n - 1)[:, None])  # [I, R]
+    rows = q_start[:, None] + t0[:, None] + local
+    q_pos = first_pos[:, None] + local
+    last_pos = first_pos + n - 1
+    num_keys = (int(last_pos.max()) // KEY_BLOCK + 1) * KEY_BLOCK
+    # Whole pages are read; with pages longer than a key block the extra keys are masked
+    # blocks, which add exact zeros (so the bits do not depend on page_tokens).
+    num_pages = cdiv(num_keys, page_tokens)
+    num_blocks = num_pages * page_tokens // KEY_BLOCK
+    k_pos = torch.arange(num_blocks * KEY_BLOCK)
+    # Pages past a unit's context repeat its last page (any real page would do: masked).
+    page_idx = torch.minimum(torch.arange(num_pages)[None, :], ((ctx - 1) // page_tokens)[:, None])
+    pages = torch.gather(block_tables[seq], 1, page_idx)  # [I, NP]
+    # K: row (page, head, dim) of page_tokens keys; V: chunk (page, head) of page_tokens rows
+    # of D values, after the K half of the page (see kv_views).
+    k_rows = pages[:, None, None, :] * (page_stride // page_tokens) + torch.arange(hk * d).view(
+        1, hk, d, 1
+    )
+    v_rows = (
+        pages[:, None, :] * (page_stride // (page_tokens * d))
+        + hk
+        + torch.arange(hk)[None, :, None]
+    )
+    tail = _tail_block(int(first_pos.min()), num_blocks)
+    k_pos = k_pos[tail * KEY_BLOCK :]
+    hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [I, R, (NB - tail) * KB]
+    hidden = hidden.repeat_interleave(group_size, dim=1).unsqueeze(1)  # [I, 1, M, ...]
+    visible = (~hidden).float()
+    bias = hidden.float() * _HIDDEN
+    real = torch.arange(r)[None, :] < n[:, None]
+    src = real.flatten().nonzero().flatten()
+    dst = rows.flatten()[src]
+    return UnitGroup(
+        rows,
+        k_rows.flatten(),
+        v_rows.flatten(),
+        tail,
+        bias,
+        visible,
+        src,
+        dst,
+        pages.flatten(),
+        num_blocks,
+    )
+
+
+def _tail_block(first_pos: int, num_blocks: int) -> int:
+    """The first key block that hides a key from a row at ``first_pos`` or later: every key
+    up to the earliest row's position is visible to every row."""
+    return min(first_pos + 1, num_blocks * KEY_BLOCK) // KEY_BLOCK
