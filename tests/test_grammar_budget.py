@@ -17,6 +17,11 @@ import httpx
 import pytest
 from support.server import KEY, MODEL
 
+from kern.assets import default_model_path
+from kern.engine.grammar_compile import GrammarBudget
+from kern.engine.structured import Grammars, StructuredOutputError
+from kern.tokenizer import Tokenizer
+
 # The time budget the server runs with: every schema below refused for time takes many times
 # this much CPU (with xgrammar 0.2.8 on the tiny vocabulary, one loaded core: 29 s, over 25 s
 # each for the patterns).
@@ -227,11 +232,20 @@ def test_pathological_grammars_do_not_stall_the_streams(server):
 
 def test_a_schema_over_the_size_budget_is_refused_before_it_compiles(make_server):
     small = make_server("grammar-small", pool_bytes="4MiB", extra=("--grammar-max-bytes", "100"))
+    # The compiler process starts with the server, in the background, before any grammar
+    # (a coding agent's first request would otherwise wait 2-3 s for it).
+    deadline = time.monotonic() + 120
+    while not [p for p in _children(small.proc.pid) if _is_compiler(p)]:
+        assert time.monotonic() < deadline, "no compiler process 120 s after the server started"
+        time.sleep(0.05)
     r = _chat(small, {"response_format": _format({"enum": [f"value {i}" for i in range(20)]})})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "response_format"
     assert "over the grammar size budget of 100 bytes" in err["message"]
-    # Nothing was compiled: no compiler process was started for it.
-    assert not [p for p in _children(small.proc.pid) if _is_compiler(p)]
+    # Nothing was compiled for it: the size is checked before anything goes to the compiler.
+    grammars = Grammars(Tokenizer.from_dir(default_model_path()), 512, GrammarBudget(5.0, 100))
+    with pytest.raises(StructuredOutputError, match="over the grammar size budget"):
+        grammars.submit_format(_format({"enum": [f"value {i}" for i in range(20)]}), None)
+    assert grammars.compiles == 0
     assert small.proc.poll() is None

@@ -169,15 +169,18 @@ class App:
         scheduler = engine.scheduler(
             self._deliver, metrics=self.metrics, on_crash=self._crashed, max_model_len=max_len
         )
+        # Compiled in a process of their own, within the target's budgets; made ready in the
+        # background now, not by the first request with tools (a coding agent's first).
+        grammars = Grammars(
+            tokenizer,
+            config.vocab_size,
+            GrammarBudget(target.grammar_timeout, target.grammar_max_bytes),
+        )
+        threading.Thread(target=grammars.warm, name="kern-grammar-warm", daemon=True).start()
         self.openai = OpenAI(
             scheduler,
             tokenizer,
-            # Compiled in a process of their own, within the target's budgets.
-            Grammars(
-                tokenizer,
-                config.vocab_size,
-                GrammarBudget(target.grammar_timeout, target.grammar_max_bytes),
-            ),
+            grammars,
             model_name=target.name,
             aliases=self.settings.served_model_names,
             vocab_size=config.vocab_size,

@@ -8,16 +8,16 @@ Design notes
   19 s, objects nested 450 deep and the string pattern ``[a-z]{1,20000}`` over 25 s (one
   core each). In the server's process such a compile competes with the engine for the GIL
   and the cores, and a thread cannot be stopped: it would run to its end.
-* So one compiler process (``python -m kern.engine.grammar_compile``, started by the first
-  compile and fed over a socket) imports xgrammar once and forks a child per compile. The
-  child compiles and sends back only that it did, and its CPU seconds: the server then
-  compiles the same source itself (kern.engine.structured), which the child has shown fits
-  the budget. The compiled grammar does not come back: its JSON
-  (``CompiledGrammar.serialize_json``) can cost far more than the compile (xgrammar 0.2.8,
-  the tiny vocabulary, Claude Code's 21 tools as one tag: compiled in 0.14 s, 447 MB of
-  JSON written in 26 s, read back in 8.5 s). A child that overruns is killed with SIGKILL,
-  its core and memory back at once; one that crashes (xgrammar's C++ on a pathological
-  input) ends itself, not the server.
+* So one compiler process (``python -m kern.engine.grammar_compile``, started when the server
+  starts, in the background, or else by the first compile, and fed over a socket) imports
+  xgrammar once and forks a child per compile. The child compiles and sends back only that it
+  did, and its CPU seconds: the server then compiles the same source itself
+  (kern.engine.structured), which the child has shown fits the budget. The compiled grammar
+  does not come back: its JSON (``CompiledGrammar.serialize_json``) can cost far more than the
+  compile (xgrammar 0.2.8, the tiny vocabulary, Claude Code's 21 tools as one tag: compiled in
+  0.14 s, 447 MB of JSON written in 26 s, read back in 8.5 s). A child that overruns is killed
+  with SIGKILL, its core and memory back at once; one that crashes (xgrammar's C++ on a
+  pathological input) ends itself, not the server.
 * The time budget is CPU seconds (read from ``/proc`` every :data:`POLL` s; the wall clock
   where there is no ``/proc``): a loaded machine slows a compile down but does not turn a
   good schema into a 400. A compile that waits for the CPU has a wall-clock bound as well,
@@ -152,6 +152,14 @@ class CompilePool:
             assert self._outbox is not None
             self._outbox.put((job, kind, source))
         return future
+
+    def start(self) -> None:
+        """Start the compiler process now if it does not run (``submit`` starts it too): it
+        imports xgrammar and reads the vocabulary before the first compile waits on it.
+        Raises OSError when it cannot start."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
 
     def close(self) -> None:
         """End the compiler process (its children end with it)."""

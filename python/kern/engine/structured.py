@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,6 +86,8 @@ __all__ = [
     "Source",
     "StructuredOutputError",
 ]
+
+log = logging.getLogger("kern")
 
 # Compiled grammars kept, keyed by the schema's JSON in the request's own key order: the order
 # of ``properties`` is the order the answer's keys come in (as OpenAI and vLLM keep it), so two
@@ -298,6 +301,18 @@ class Grammars:
                 "bytes (the server's grammar_max_bytes)"
             )
         return Source(kind, key, what, ban_controls)
+
+    def warm(self) -> None:
+        """Get ready for the first grammar: xgrammar imported and the vocabulary read here,
+        the compiler process started (2-3 s, on the 2-core test machine, that a coding
+        agent's first request would otherwise wait). Best effort: what fails here fails the
+        first compile again, and that says why."""
+        try:
+            self._load()
+            if self._pool is not None:
+                self._pool.start()
+        except (StructuredOutputError, OSError) as e:
+            log.debug("grammars not made ready at start: %s", e)
 
     def submit(self, source: Source) -> Future[Any]:
         """A future of ``source``'s compiled grammar: done at once when cached (or compiled
