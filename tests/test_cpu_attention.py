@@ -145,7 +145,7 @@ def test_scratch_is_kept_across_plans_within_its_bound():
         attention.plan_attention(*args, step.page_ids, step.page_offsets, scratch), q, cache, 0.3
     )
     kept = {name: buf.data_ptr() for name, buf in scratch.items()}
-    assert set(kept) == {"s", "sums", "pv"}
+    assert set(kept) == {"k", "v", "s", "sums", "pv"}
     again = attention.attend(
         attention.plan_attention(*args, step.page_ids, step.page_offsets, scratch), q, cache, 0.3
     )

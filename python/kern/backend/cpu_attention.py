@@ -47,9 +47,9 @@ Design notes
     and the copied operand gave the same bits.
   - Those two are for groups of many keys (``LONG_BLOCKS``); a group of few keys goes through
     the same ops in one pass on tensors of its own (fewer calls, for decode steps).
-  - Scores, block sums and per-block outputs go to buffers the backend keeps across layers
-    and steps (up to ``SCRATCH_KEEP`` each), and the block tree adds in place: fresh
-    multi-MB tensors cost their page faults every time.
+  - The key and value gathers, scores, block sums and per-block outputs go to buffers the
+    backend keeps across groups, layers and steps (up to ``SCRATCH_KEEP`` each), and the
+    block tree adds in place: fresh multi-MB tensors cost their page faults every time.
 * Latent pages (multi-head latent attention, ``attend_latent``): every query head reads the
   one cached vector per token, the key being the whole vector and the value its first
   ``v_dim`` values. A unit's pages are gathered once as rows of ``page_tokens * C`` values;
@@ -147,11 +147,10 @@ def attend(plan: CpuAttentionPlan, q: Tensor, kv_cache: Tensor, scale: float) ->
         units = g.rows.shape[0]
         nb = g.num_blocks
         # [I, Hk, D, keys] and [I, Hk, NB, KB, D], each one gather of whole rows
-        if not g.scratch:
-            g.scratch["k"] = k_rows.new_empty(g.k_rows.shape[0], page_tokens)
-            g.scratch["v"] = v_rows.new_empty(g.v_rows.shape[0], chunk)
-        k = torch.index_select(k_rows, 0, g.k_rows, out=g.scratch["k"])
-        v = torch.index_select(v_rows, 0, g.v_rows, out=g.scratch["v"])
+        k_out = plan.buffer("k", (g.k_rows.shape[0], page_tokens), k_rows)
+        v_out = plan.buffer("v", (g.v_rows.shape[0], chunk), v_rows)
+        k = torch.index_select(k_rows, 0, g.k_rows, out=k_out)
+        v = torch.index_select(v_rows, 0, g.v_rows, out=v_out)
         k = k.view(units, hk, head_dim, nb * KEY_BLOCK)
         v = v.view(units, hk, nb, KEY_BLOCK, head_dim)
         _softmax_pv(plan, g, q, k, v, scale, out)
@@ -181,9 +180,8 @@ def attend_latent(
     for g in plan.groups:
         units = g.rows.shape[0]
         nb = g.num_blocks
-        if not g.scratch:
-            g.scratch["k"] = rows.new_empty(g.pages.shape[0], chunk)
-        pages = torch.index_select(rows, 0, g.pages * per_page, out=g.scratch["k"])
+        gathered = plan.buffer("k", (g.pages.shape[0], chunk), rows)
+        pages = torch.index_select(rows, 0, g.pages * per_page, out=gathered)
         keys = pages.view(units, nb * KEY_BLOCK, dim)
         k = keys.transpose(1, 2).contiguous().view(units, 1, dim, nb * KEY_BLOCK)
         v = keys[:, :, :v_dim].contiguous().view(units, 1, nb, KEY_BLOCK, v_dim)

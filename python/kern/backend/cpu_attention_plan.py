@@ -5,6 +5,7 @@ batch-invariance rules it serves are kern.backend.cpu_attention's design notes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -42,9 +43,6 @@ class UnitGroup:
     dst: Tensor  # [n] int64: the q row each real unit row is
     pages: Tensor  # [I * NP] int64: each unit's pages, in order (latent pages' rows)
     num_blocks: int
-    # Gather buffers, allocated by the first layer and reused by the others: every layer's
-    # gather has the same shape, and fresh multi-MB buffers cost page faults each time.
-    scratch: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,16 +54,14 @@ class CpuAttentionPlan:
     group_size: int  # query heads per KV head
     page_ids: Tensor  # [T] int64: where this step's K/V go
     page_offsets: Tensor  # [T] int64
-    # Scores, block sums and block outputs: buffers reused by every group and layer, and
-    # by later steps when the backend hands the plan its own dict (see the design notes).
+    # Gathers, scores, block sums and block outputs: buffers reused by every group and layer,
+    # and by later steps when the backend hands the plan its own dict (see the design notes).
     scratch: dict = field(default_factory=dict)
 
     def buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         """A contiguous ``shape`` view of the ``name`` buffer (contents undefined). One
         over ``SCRATCH_KEEP`` bytes is allocated for this use only, not kept."""
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         if numel * like.element_size() > SCRATCH_KEEP:
             return like.new_empty(shape)
         buf = self.scratch.get(name)
