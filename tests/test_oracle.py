@@ -102,6 +102,16 @@ CASES = {
             mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3,
         ),
     ),
+    # Qwen3-Next: the grouped in-projection with two value heads a key head, a gated shared
+    # expert on the sparse layers; then unnormalised top-3 of 8, every other layer sparse and
+    # the last one dense by mlp_only_layers.
+    "qwen3_next-default": ("qwen3_next", dict(), {}),
+    "qwen3_next-step2-nonorm": (
+        "qwen3_next",
+        dict(experts_per_tok=3, linear_value_heads=6),
+        dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3]),
+    ),
+    "qwen3_5_moe-default": ("qwen3_5_moe", dict(), {}),
     "qwen3_5-d64-tied-k2v2": (
         "qwen3_5",
         dict(

@@ -384,7 +384,16 @@ def _compare_backends(cpu: Runner, other: Runner) -> None:
             other.keep_rows(0, 2)
 
 
-FAMILIES = ["qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3", "kimi_linear", "deepseek_v4"]
+FAMILIES = [
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_5",
+    "qwen3_next",
+    "qwen3_5_moe",
+    "deepseek_v3",
+    "kimi_linear",
+    "deepseek_v4",
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

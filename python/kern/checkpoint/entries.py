@@ -67,6 +67,9 @@ class Entry:
     dtype: str
     scale: Entry | None = None  # an FP8 / FP4 weight's block scales (weight_scale_inv)
     block: tuple[int, ...] = ()  # and the block they scale (FP4: shape is the unpacked one)
+    # A piece of a fused stored tensor: (index on dim 0, first row, end row); shape is the
+    # piece's.
+    piece: tuple[int, int, int] | None = None
 
 
 def dequantize(weight: torch.Tensor, entry: Entry) -> torch.Tensor:

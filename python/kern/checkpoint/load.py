@@ -15,7 +15,8 @@ Design notes
   and multi-token-prediction head (``mtp.``) are skipped without being read, as transformers'
   ``Qwen3_5ForCausalLM`` skips them. Mixture-of-experts weights are the per-expert tensors of
   the published files (``mlp.experts.3.gate_proj.weight``), not transformers' fused in-memory
-  layout.
+  layout; a family whose releases store them fused (Qwen3.5-MoE's ``mlp.experts.gate_up_proj``)
+  names the pieces (``Family.split_stored``), and each piece reads only its own rows.
 * With tied embeddings there is no ``lm_head.weight`` to require: the runner multiplies by
   ``model.embed_tokens.weight``. A tied file that carries one anyway is checked and loaded.
 * Quantised weights are dequantised at load, in float32, then cast: block-scaled FP8
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ from kern.checkpoint.names import (
     head_name,
     integer_tensor,
     mtp_shapes,
+    split_stored,
 )
 from kern.models import registry
 from kern.models.config import ModelConfig
@@ -186,8 +188,8 @@ def read_tensors(
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name, entry in by_file[file]:
                     parts = None if pick is None else pick(name)
-                    if entry.scale is not None:
-                        t = _dequantize(f.get_tensor(entry.stored_name), entry)
+                    if entry.scale is not None or entry.piece is not None:
+                        t = _whole(f, entry)
                         if parts is not None:
                             pieces = [t[a:b] if d == 0 else t[:, a:b] for d, a, b in parts]
                             t = torch.cat(pieces, dim=parts[0][0])
@@ -201,6 +203,14 @@ def read_tensors(
                     tensors[name] = t.long() if integer else t.to(dtype)
                     bar.update(_num_bytes(entry))
     return tensors
+
+
+def _whole(f: Any, entry: _Entry) -> torch.Tensor:
+    """A quantised tensor dequantised, or a fused tensor's piece (only its rows are read)."""
+    if entry.piece is not None:
+        index, start, stop = entry.piece
+        return f.get_slice(entry.stored_name)[index : index + 1, start:stop][0]
+    return _dequantize(f.get_tensor(entry.stored_name), entry)
 
 
 def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, Path | None]:
@@ -262,7 +272,14 @@ def index_tensors(path: Path, config: ModelConfig, mtp: bool = False) -> dict[st
                         f"{file}: tensor {stored!r} is also stored in {entries[name].file.name}"
                     )
                 view = f.get_slice(stored)
-                entries[name] = _Entry(file, stored, tuple(view.get_shape()), view.get_dtype())
+                entry = _Entry(file, stored, tuple(view.get_shape()), view.get_dtype())
+                for piece_name, piece in _pieces(config, name, entry):
+                    if piece_name in entries:
+                        raise CheckpointError(
+                            f"{file}: tensor {stored!r} holds {piece_name!r}, which is also "
+                            f"stored as {entries[piece_name].stored_name!r}"
+                        )
+                    entries[piece_name] = piece
     if weight_map is not None:
         found = {e.stored_name for e in entries.values()}
         for stored, shard in sorted(weight_map.items()):
@@ -271,6 +288,25 @@ def index_tensors(path: Path, config: ModelConfig, mtp: bool = False) -> dict[st
                     f"{index_file} says tensor {stored!r} is in {shard}, but it is not there"
                 )
     return _pair_scales(config, entries)
+
+
+def _pieces(config: ModelConfig, name: str, entry: _Entry) -> list[tuple[str, _Entry]]:
+    """The stored tensor ``entry`` as kern's tensors: itself, or a fused tensor's pieces
+    (its shape checked here: the pieces' shapes follow from it)."""
+    split = split_stored(config, name)
+    if split is None:
+        return [(name, entry)]
+    want, pieces = split
+    if entry.shape != want:
+        raise TensorShapeError(
+            f"{entry.file}: tensor {entry.stored_name!r} has shape {list(entry.shape)}, "
+            f"expected {list(want)} from config.json"
+        )
+    out = []
+    for piece_name, (index, start, stop) in pieces:
+        shape = (stop - start, *entry.shape[2:])
+        out.append((piece_name, replace(entry, shape=shape, piece=(index, start, stop))))
+    return out
 
 
 def validate(

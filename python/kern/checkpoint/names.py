@@ -25,6 +25,7 @@ __all__ = [
     "head_name",
     "integer_tensor",
     "mtp_shapes",
+    "split_stored",
     "stored_name",
 ]
 
@@ -70,3 +71,12 @@ def integer_tensor(config: ModelConfig, name: str) -> bool:
 def fp4_weight(config: ModelConfig, name: str) -> bool:
     """Whether kern's tensor ``name`` is stored as FP4 (e2m1 bytes with e8m0 scales)."""
     return registry.of(config).fp4_weight(config, name)
+
+
+def split_stored(
+    config: ModelConfig, name: str
+) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, int, int]]]] | None:
+    """For a stored tensor that holds several of kern's (``name``: its canonical name; a
+    release's fused experts): the shape it must have and each piece's name with (index on
+    dim 0, first row, end row); None for a tensor that is one of kern's."""
+    return registry.of(config).split_stored(config, name)

@@ -24,29 +24,47 @@ _SIZE_FLAGS = {
     "--head-dim": ("head_dim", "dims per attention head"),
     "--intermediate": ("intermediate", "dense MLP width"),
     "--vocab": ("vocab", "vocabulary size (tokenizer and embedding)"),
-    "--experts": ("experts", "qwen3_moe, deepseek_v3/v4, kimi_linear: routed experts per layer"),
+    "--experts": (
+        "experts",
+        "the MoE families (qwen3_moe, qwen3_next, qwen3_5_moe, deepseek_v3/v4, kimi_linear): "
+        "routed experts per layer",
+    ),
     "--experts-per-tok": (
         "experts_per_tok",
-        "qwen3_moe, deepseek_v3/v4, kimi_linear: experts each token is routed to",
+        "the MoE families: experts each token is routed to",
     ),
     "--moe-intermediate": (
         "moe_intermediate",
-        "qwen3_moe, deepseek_v3/v4, kimi_linear: expert MLP width",
+        "the MoE families: expert MLP width",
     ),
-    "--linear-key-heads": ("linear_key_heads", "qwen3_5: DeltaNet key heads"),
+    "--shared-expert-intermediate": (
+        "shared_expert_intermediate",
+        "qwen3_next, qwen3_5_moe: the gated shared expert's width",
+    ),
+    "--linear-key-heads": (
+        "linear_key_heads",
+        "qwen3_5, qwen3_5_moe, qwen3_next: DeltaNet key heads",
+    ),
     "--linear-value-heads": (
         "linear_value_heads",
-        "qwen3_5: DeltaNet value heads; kimi_linear: KDA heads",
+        "qwen3_5, qwen3_5_moe, qwen3_next: DeltaNet value heads; kimi_linear: KDA heads",
     ),
-    "--linear-key-head-dim": ("linear_key_head_dim", "qwen3_5: DeltaNet key head dims"),
+    "--linear-key-head-dim": (
+        "linear_key_head_dim",
+        "qwen3_5, qwen3_5_moe, qwen3_next: DeltaNet key head dims",
+    ),
     "--linear-value-head-dim": (
         "linear_value_head_dim",
-        "qwen3_5: DeltaNet value head dims; kimi_linear: KDA head dims",
+        "qwen3_5, qwen3_5_moe, qwen3_next: DeltaNet value head dims; kimi_linear: KDA head dims",
     ),
-    "--conv-kernel": ("conv_kernel", "qwen3_5, kimi_linear: causal conv kernel size"),
+    "--conv-kernel": (
+        "conv_kernel",
+        "qwen3_5, qwen3_5_moe, qwen3_next, kimi_linear: causal conv kernel size",
+    ),
     "--full-attention-interval": (
         "full_attention_interval",
-        "qwen3_5, kimi_linear: every Nth layer is full attention, the others linear",
+        "qwen3_5, qwen3_5_moe, qwen3_next, kimi_linear: every Nth layer is full attention, "
+        "the others linear",
     ),
     "--kv-lora-rank": ("kv_lora_rank", "deepseek_v3, kimi_linear: latent dims cached per token"),
     "--qk-nope-head-dim": (
@@ -111,19 +129,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         dest="norm_topk_prob",
         action="store_const",
         const=False,
-        help="qwen3_moe: do not renormalize the top-k routing weights",
+        help="qwen3_moe, qwen3_next: do not renormalize the top-k routing weights",
     )
     p.add_argument(
         "--decoder-sparse-step",
         type=positive_int,
         metavar="N",
-        help="qwen3_moe: every Nth layer is sparse",
+        help="qwen3_moe, qwen3_next: every Nth layer is sparse",
     )
     p.add_argument(
         "--mlp-only-layers",
         type=index_list,
         metavar="LAYERS",
-        help="qwen3_moe: layers with a dense MLP, e.g. 0,3",
+        help="qwen3_moe, qwen3_next: layers with a dense MLP, e.g. 0,3",
     )
     p.add_argument(
         "--max-position-embeddings",

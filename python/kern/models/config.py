@@ -65,6 +65,9 @@ class Experts:
     num_experts_per_tok: int
     moe_intermediate_size: int
     norm_topk_prob: bool
+    # Qwen's gated shared expert (qwen3_next, qwen3_5_moe): a SwiGLU of this width every
+    # token runs, scaled by sigmoid(shared_expert_gate(x)); 0: none.
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)

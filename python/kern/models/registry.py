@@ -31,7 +31,9 @@ from kern.models.kimi_linear import config as kimi_linear
 from kern.models.kimi_linear import tensors as kimi_linear_tensors
 from kern.models.qwen3 import config as qwen3
 from kern.models.qwen3_5 import config as qwen3_5
+from kern.models.qwen3_5_moe import config as qwen3_5_moe
 from kern.models.qwen3_moe import config as qwen3_moe
+from kern.models.qwen3_next import config as qwen3_next
 
 __all__ = [
     "EXPERTS",
@@ -65,6 +67,10 @@ def _stored_as_named(c: ModelConfig, name: str) -> str:
 
 def _no_fp4(c: ModelConfig, name: str) -> bool:
     return False
+
+
+def _not_fused(c: ModelConfig, name: str) -> None:
+    return None
 
 
 def load(path: str) -> Any:
@@ -102,6 +108,9 @@ class Family:
     head: str = "lm_head.weight"  # the output head (optional when embeddings are tied)
     integer_leaves: tuple[str, ...] = ()  # name suffixes of integer tensors (kept integer)
     fp4_weight: Callable[[ModelConfig, str], bool] = _no_fp4  # stored as FP4 (e2m1 bytes)
+    # A stored tensor that holds several of kern's (fused experts): its shape and the pieces,
+    # each kern's name with (index on dim 0, first row, end row); None for any other.
+    split_stored: Callable[[ModelConfig, str], Any] = _not_fused
     mtp: Mtp | None = None
     # Parallel mode ("tp", "ep") -> what it splits (HEADS, EXPERTS, EXPERTS_ONLY).
     parallel: Mapping[str, str] = field(default_factory=dict)
@@ -158,6 +167,29 @@ FAMILIES: tuple[Family, ...] = (
         pages="kern.models.pages:KvPages",
         tiny="kern.models.qwen3_moe.tiny",
         parallel={"tp": HEADS, "ep": EXPERTS},
+    ),
+    Family(
+        "qwen3_next",
+        model_types=("qwen3_next",),
+        read_config=qwen3_next.read_config,
+        tensor_shapes=qwen3_next.tensor_shapes,
+        model="kern.models.qwen3_next.model:Qwen3Next",
+        pages="kern.models.pages:KvPages",
+        tiny="kern.models.qwen3_next.tiny",
+        parallel={"ep": EXPERTS_ONLY},
+    ),
+    Family(
+        "qwen3_5_moe",
+        model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
+        text_config=("qwen3_5_moe",),
+        read_config=qwen3_5_moe.read_config,
+        tensor_shapes=qwen3_5_moe.tensor_shapes,
+        canonical_name=qwen3_5_moe.canonical_name,
+        split_stored=qwen3_5_moe.split_stored,
+        model="kern.models.qwen3_5_moe.model:Qwen3_5Moe",
+        pages="kern.models.pages:KvPages",
+        tiny="kern.models.qwen3_5_moe.tiny",
+        parallel={"ep": EXPERTS_ONLY},
     ),
     Family(
         "deepseek_v3",

@@ -17,6 +17,7 @@ __all__ = [
     "attention",
     "decoder",
     "experts",
+    "gated_shared",
     "group_routed",
     "latent_attention",
     "mlp",
@@ -123,4 +124,14 @@ def group_routed(c: ModelConfig, routing: GroupRouting, p: str) -> Shapes:
     if routing.n_shared_experts:
         inner = c.experts.moe_intermediate_size * routing.n_shared_experts
         out.update(mlp(c.hidden_size, inner, p + "shared_experts."))
+    return out
+
+
+def gated_shared(c: ModelConfig, p: str) -> Shapes:
+    """Qwen's sparse MLP with a gated shared expert (``kern.models.layers.moe.GatedSharedMoE``):
+    router, routed experts, the shared expert and its one-output gate."""
+    assert c.experts is not None
+    out = experts(c, p)
+    out.update(mlp(c.hidden_size, c.experts.shared_expert_intermediate_size, p + "shared_expert."))
+    out[p + "shared_expert_gate.weight"] = (1, c.hidden_size)
     return out

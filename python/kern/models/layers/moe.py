@@ -14,6 +14,10 @@ Design notes
   row bits independent of the row count, see ``kern.backend.cpu``). A token's expert outputs
   are then added in its top-k order, a fixed order of elementwise ops. (transformers adds
   them in expert-id order; the two differ by float32 rounding only.)
+* GatedSharedMoE matches transformers 5.23 ``Qwen2MoeSparseMoeBlock`` (Qwen3-Next's and
+  Qwen3.5-MoE's): SparseMoE's routing and experts, plus one shared SwiGLU expert every token
+  runs, scaled by sigmoid of a one-output linear (``shared_expert_gate``). It is ``shared``,
+  as DeepSeek's shared experts are, so expert parallelism replicates it the same way.
 * DeepseekMoE: scores sigmoid(router logits) in float32; for choosing only, plus
   ``e_score_correction_bias``; groups ranked by the sum of their best two and all but the
   best ``topk_group`` groups masked; the top ``num_experts_per_tok`` experts weighted by their
@@ -34,7 +38,7 @@ from kern.models.config import GroupRouting, ModelConfig
 from kern.models.layers.caches import Tensors
 from kern.models.layers.mlp import DenseMLP
 
-__all__ = ["DeepseekMoE", "SparseMoE"]
+__all__ = ["DeepseekMoE", "GatedSharedMoE", "SparseMoE"]
 
 
 class SparseMoE:
@@ -99,6 +103,30 @@ class SparseMoE:
         for j in range(1, self.top_k):
             out = out + y[:, j] * weights[:, j : j + 1]
         return out
+
+
+class GatedShared:
+    """sigmoid(gate(x)) * mlp(x): Qwen's shared expert with its scalar gate per token."""
+
+    def __init__(self, ops: Ops, t: Tensors, prefix: str) -> None:
+        self.ops = ops
+        self.mlp = DenseMLP(ops, t, prefix + "shared_expert.")
+        self.w_gate = ops.prepare_linear(t[prefix + "shared_expert_gate.weight"])
+
+    def __call__(self, x: Tensor) -> Tensor:
+        ops = self.ops
+        return ops.sigmoid(ops.linear(x, self.w_gate)) * self.mlp(x)
+
+
+class GatedSharedMoE(SparseMoE):
+    """Softmax top-k routing over the routed experts, plus the gated shared expert."""
+
+    def __init__(self, ops: Ops, c: ModelConfig, t: Tensors, prefix: str) -> None:
+        super().__init__(ops, c, t, prefix)
+        self.shared = GatedShared(ops, t, prefix)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return super().__call__(x) + self.shared(x)
 
 
 class DeepseekMoE(SparseMoE):

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kern.checkpoint.errors import ConfigFieldError, UnsupportedModelError
+from kern.checkpoint.errors import UnsupportedModelError
 from kern.checkpoint.fields import Fields
 from kern.models import shapes
-from kern.models.config import (
-    LAYER_TYPES,
-    CommonDefaults,
-    Delta,
-    ModelConfig,
-    common_fields,
-    read_rope,
+from kern.models.config import CommonDefaults, ModelConfig, common_fields, read_rope
+from kern.models.hybrid import (
+    delta_shapes,
+    multimodal_name,
+    read_delta,
+    read_layer_types,
+    refuse_quantization,
 )
 
 __all__ = ["canonical_name", "read_config", "tensor_shapes"]
@@ -27,42 +27,15 @@ def read_config(f: Fields, raw: dict[str, Any]) -> ModelConfig:
     """A qwen3_5 config (``f``: the text model's fields, ``raw``: the whole file)."""
     defaults = CommonDefaults(kv_heads=4, head_dim=256)
     common = common_fields(f, raw, "qwen3_5", defaults, lambda f: read_rope(f, partial=0.25))
+    refuse_quantization(f, raw)
     n = common["num_hidden_layers"]
-    where = f.where
-    layer_types = f.raw.get("layer_types")
-    if layer_types is None:
-        # transformers derives the pattern from full_attention_interval (default 4): every
-        # interval-th layer is full attention, the others linear.
-        interval = f.pos_int("full_attention_interval", default=4)
-        layer_types = [
-            "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)
-        ]
-    if not isinstance(layer_types, list) or len(layer_types) != n:
-        raise ConfigFieldError(
-            f"{where}: layer_types must be a list of num_hidden_layers ({n}) entries"
-        )
-    for i, t in enumerate(layer_types):
-        if t not in LAYER_TYPES:
-            raise ConfigFieldError(
-                f"{where}: layer_types[{i}] is {t!r}; expected one of {', '.join(LAYER_TYPES)}"
-            )
-    delta = Delta(
-        num_key_heads=f.pos_int("linear_num_key_heads", default=16),
-        num_value_heads=f.pos_int("linear_num_value_heads", default=32),
-        key_head_dim=f.pos_int("linear_key_head_dim", default=128),
-        value_head_dim=f.pos_int("linear_value_head_dim", default=128),
-        conv_kernel_dim=f.pos_int("linear_conv_kernel_dim", default=4),
-    )
+    layer_types = read_layer_types(f, n)
+    delta = read_delta(f)
     # transformers' Qwen3.5 attention always gates; the field exists in published files.
     if not f.flag("attn_output_gate", default=True):
-        raise UnsupportedModelError(f"{where}: attn_output_gate=false is not supported")
-    if delta.num_value_heads % delta.num_key_heads:
-        raise ConfigFieldError(
-            f"{where}: linear_num_value_heads ({delta.num_value_heads}) must be a "
-            f"multiple of linear_num_key_heads ({delta.num_key_heads})"
-        )
+        raise UnsupportedModelError(f"{f.where}: attn_output_gate=false is not supported")
     return ModelConfig(
-        **common, layer_types=tuple(layer_types), mlp_layer_types=("dense",) * n, delta=delta
+        **common, layer_types=layer_types, mlp_layer_types=("dense",) * n, delta=delta
     )
 
 
@@ -74,37 +47,14 @@ def _layer(c: ModelConfig, i: int) -> shapes.Shapes:
     p = f"model.layers.{i}."
     out = shapes.norms(c, p)
     if c.is_linear_layer(i):
-        out.update(_linear_attention(c, p + "linear_attn."))
+        out.update(delta_shapes(c, p + "linear_attn."))
     else:
         out.update(shapes.attention(c, p + "self_attn.", gated=True))
     out.update(shapes.mlp(c.hidden_size, c.intermediate_size, p + "mlp."))
     return out
 
 
-def _linear_attention(c: ModelConfig, p: str) -> shapes.Shapes:
-    d = c.delta
-    assert d is not None
-    key_dim = d.num_key_heads * d.key_head_dim
-    value_dim = d.num_value_heads * d.value_head_dim
-    nv = d.num_value_heads
-    return {
-        p + "in_proj_qkv.weight": (2 * key_dim + value_dim, c.hidden_size),
-        p + "in_proj_z.weight": (value_dim, c.hidden_size),
-        p + "in_proj_b.weight": (nv, c.hidden_size),
-        p + "in_proj_a.weight": (nv, c.hidden_size),
-        p + "conv1d.weight": (2 * key_dim + value_dim, 1, d.conv_kernel_dim),
-        p + "dt_bias": (nv,),
-        p + "A_log": (nv,),
-        p + "norm.weight": (d.value_head_dim,),
-        p + "out_proj.weight": (c.hidden_size, value_dim),
-    }
-
-
 def canonical_name(c: ModelConfig, name: str, mtp: bool) -> str | None:
     """The multimodal files' language model under ``model.language_model.``; the vision
     tower and the MTP head are not read."""
-    if name.startswith("model.language_model."):
-        name = "model." + name[len("model.language_model.") :]
-    if name.startswith(("model.visual.", "mtp.")):
-        return None
-    return name
+    return multimodal_name(name)
