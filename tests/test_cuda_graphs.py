@@ -1,16 +1,24 @@
 """Decode CUDA graphs' host side (kern.engine.cuda_graphs), on the CPU: the size buckets, the
 padding rows and their scratch page, the static buffers' copy-in, the captured function run
-eagerly, and the serve flag's refusal. Capture and replay themselves need a GPU:
+eagerly and making no host copy or sync, the capture at the app's load and its fallback to
+eager, and the serve flag's refusal. Capture and replay themselves need a GPU:
 tools/gpu/bench.py graphs checks them there."""
 
 from __future__ import annotations
 
+import inspect
+import logging
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from support.scheduler import Harness, load
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from kern.app import App
+from kern.assets import default_model_path
 from kern.backend import CudaOps
 from kern.chunk import SeqChunk
 from kern.engine.cuda_graphs import (
@@ -19,10 +27,13 @@ from kern.engine.cuda_graphs import (
     StaticInputs,
     bucket,
     capture_sizes,
+    graphs_at_load,
     is_decode,
     pad,
+    start_graphs,
 )
 from kern.engine.runner import Runner
+from kern.server.settings import Settings
 
 PAGE = 16
 PAGES = 12
@@ -198,3 +209,117 @@ def test_enforce_eager_is_refused_on_the_cpu():
     )
     assert out.returncode == 2, out.stderr
     assert "--enforce-eager: device cpu never captures CUDA graphs" in out.stderr
+
+
+class _NoHostWork(TorchDispatchMode):
+    """Fails on a value read back to the host (``.item()``, ``.tolist()``: one
+    ``_local_scalar_dense`` each) or a tensor made from Python data (``torch.tensor``), which
+    on a GPU are a sync and a host-to-device copy: neither can be captured."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "_local_scalar_dense" in name or "lift_fresh" in name:
+            raise AssertionError(f"the captured forward calls {name}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_captured_forward_makes_no_host_copy_or_sync(qwen3, monkeypatch):
+    """The graph's body on the CUDA backend's wiring (Triton under the interpreter): after the
+    warm-up a capture runs first, no read-back, no tensor from host data, and no tensor made
+    without the device (torch's default device is "meta" meanwhile: a host-made table copied
+    to the device, as the RoPE frequencies once were in every layer, fails loudly)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    runner = _prefilled(qwen3, _InterpretedTritonOps(torch.device("cpu")))
+    graphs = DecodeGraphs(runner, (4,), SCRATCH, 64, mode="static")
+    graphs.capture()
+    graphs.inputs.fill(pad(_decode(3), 4, SCRATCH))
+    want = graphs._body(4)  # the warm-up (compiles, fills the backend's device tables)
+    previous = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        with _NoHostWork():
+            got = graphs._body(4)
+    finally:
+        torch.set_default_device(previous)
+    assert got.device.type == "cpu" and torch.equal(got, want)
+
+
+def _engine(tiny_dir):
+    return load(tiny_dir("qwen3"), pool_bytes=2**20)
+
+
+def test_graphs_are_captured_at_load_and_a_failed_capture_decodes_eagerly(
+    tiny_dir, monkeypatch, caplog
+):
+    """``start_graphs`` (the padded stand-in on the CPU): a capture sets the runner's graphs
+    and takes a scratch page; one that fails logs why in one line, gives the page back and
+    leaves an eager server that answers the same."""
+    engine = _engine(tiny_dir)
+    h = _ScratchHarness(engine)
+    free = engine.cache.stats().pages_free
+    words = start_graphs(engine, h.sched, max_len=256, mode="padded")
+    assert words.startswith("cuda graphs at batch 1,2,4")
+    assert engine.runner.graphs is not None and engine.cache.stats().pages_free == free - 1
+    want = _answer(h)
+    assert engine.runner.graphs.replays > 0  # the decode steps went through the stand-in
+
+    failing = _engine(tiny_dir)
+    h2 = Harness(failing)  # its books count every page: the scratch page must be back
+    max_pages = h2.sched.max_pages
+
+    def boom(self):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(DecodeGraphs, "capture", boom)
+    with caplog.at_level(logging.WARNING, logger="kern"):
+        words = start_graphs(failing, h2.sched, max_len=256, mode="padded")
+    assert words == (
+        "eager (capture failed: RuntimeError: operation not permitted when stream is capturing)"
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        "decode graphs: capture failed, decoding eagerly (RuntimeError: operation not "
+        "permitted when stream is capturing)"
+    ]
+    assert failing.runner.graphs is None and h2.sched.max_pages == max_pages
+    assert failing.cache.stats().pages_free == free
+    assert _answer(h2) == want
+
+
+class _ScratchHarness(Harness):
+    """The books of a server with graphs: one page (the padding rows') held by no request."""
+
+    def check_books(self) -> None:
+        self.cache.check_integrity()
+        s = self.cache.stats()
+        listed = sum(len(r.block_table) for r in self.sched._running)
+        assert s.resident_pages + 1 <= s.pages_used <= s.resident_pages + listed + 1
+
+
+def _answer(h: Harness) -> list[int]:
+    req = h.submit(list(range(3, 40)), 8)
+    h.run()
+    return h.answer(req)
+
+
+def test_the_app_captures_at_load_under_any_server(monkeypatch):
+    """``App._load`` calls ``graphs_at_load`` (so ``hypercorn kern.app:app`` gets graphs as
+    ``kern serve`` does): it captures on CUDA unless ``--enforce-eager`` /
+    ``KERN_ENFORCE_EAGER``, and does nothing on the CPU."""
+    calls = []
+    monkeypatch.setattr(
+        "kern.engine.cuda_graphs.start_graphs",
+        lambda e, s, max_len: calls.append(max_len) or "graphs",
+    )
+    cuda = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda")))
+    cpu = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cpu")))
+    assert graphs_at_load(cuda, None, max_len=512, eager=False) == "graphs" and calls == [512]
+    assert graphs_at_load(cpu, None, max_len=512, eager=False) == "" and calls == [512]
+    assert graphs_at_load(cuda, None, max_len=512, eager=True) == "eager (--enforce-eager)"
+    assert calls == [512]
+    assert "graphs_at_load(" in inspect.getsource(App._load)
+    monkeypatch.setenv("KERN_ENFORCE_EAGER", "1")
+    monkeypatch.setenv("KERN_MODEL", str(default_model_path()))
+    assert Settings.from_env().enforce_eager
+    monkeypatch.setenv("KERN_ENFORCE_EAGER", "0")
+    assert not Settings.from_env().enforce_eager

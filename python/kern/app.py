@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kern import __version__
 from kern.chat_formats import FORMATS, reasoning_block
 from kern.checkpoint.load import sampling_defaults
+from kern.engine.cuda_graphs import graphs_at_load
 from kern.engine.load import Engine
 from kern.engine.request import Event, Request
 from kern.engine.scheduler import Scheduler
@@ -72,6 +73,7 @@ class App:
         self.load_engine = load_engine
         self.settings = settings
         self.engine: Engine | None = None
+        self.decode_graphs = ""  # the start-up line's words on decode (graphs_at_load)
         self.scheduler: Scheduler | None = None
         self.metrics: Metrics | None = None
         # The loaded model's handlers (kern.server.openai), set before ``scheduler``.
@@ -169,6 +171,8 @@ class App:
         scheduler = engine.scheduler(
             self._deliver, metrics=self.metrics, on_crash=self._crashed, max_model_len=max_len
         )
+        eager = self.settings.enforce_eager  # at load: plain hypercorn gets graphs too
+        self.decode_graphs = graphs_at_load(engine, scheduler, max_len=max_len, eager=eager)
         # Compiled in a process of their own, within the target's budgets; made ready in the
         # background now, not by the first request with tools (a coding agent's first).
         grammars = Grammars(

@@ -47,6 +47,8 @@ class CudaOps:
         self._mla = self._kernel("mla_attention")
         self._pool = self._kernel("compressor_pool")
         self._topk = self._kernel("index_topk")
+        # (theta, rotary_dim, id of a model's own table) -> (that table, its device copy)
+        self._freqs: dict[tuple, tuple[Tensor | None, Tensor]] = {}
 
     def _kernel(self, op: str):
         """The Triton wrapper of ``kern.kernels.<op>``; ReferenceOps takes the torch reference
@@ -92,27 +94,38 @@ class CudaOps:
         scaling: float = 1.0,
     ):
         if inv_freq is None and scaling == 1.0:
-            return (positions, theta)
+            return _Rope(positions, theta, self._device_freqs(theta, rotary_dim, None))
         # YaRN (deepseek_v3): its own frequencies and scaled tables, which the rotary kernel
         # does not take; built once per step in float32 and applied by torch ops.
-        if inv_freq is None:
-            inv_freq = self._rotary_inv_freq(theta, rotary_dim)
-        freqs = positions.to(self.device)[:, None].float() * inv_freq.to(self.device)
-        return (freqs.cos()[:, None, :] * scaling, freqs.sin()[:, None, :] * scaling)
+        freqs = self._device_freqs(theta, rotary_dim, inv_freq)
+        angles = positions.to(self.device)[:, None].float() * freqs
+        return _ScaledRope(angles.cos()[:, None, :] * scaling, angles.sin()[:, None, :] * scaling)
 
-    def _rotary_inv_freq(self, theta: float, rotary_dim: int) -> Tensor:
-        return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    def _device_freqs(self, theta: float, rotary_dim: int, inv_freq: Tensor | None) -> Tensor:
+        """The frequencies on the device, copied there once per (theta, dims, table): a copy
+        per step (or per layer) is a host sync a CUDA graph cannot capture."""
+        key = (theta, rotary_dim, None if inv_freq is None else id(inv_freq))
+        kept = self._freqs.get(key)
+        if kept is None or (inv_freq is not None and kept[0] is not inv_freq):
+            host = inv_freq if inv_freq is not None else _inv_freq(theta, rotary_dim)
+            kept = (inv_freq, host.to(device=self.device, dtype=torch.float32))
+            self._freqs[key] = kept
+        return kept[1]
 
     def rotary(self, x: Tensor, rope, rotary_dim: int) -> Tensor:
-        if isinstance(rope[1], Tensor):
-            cos, sin = rope
+        if isinstance(rope, _ScaledRope):
             half = rotary_dim // 2
             x32 = x.float()
             x1, x2 = x32[..., :half], x32[..., half:rotary_dim]
-            parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary_dim:]]
+            parts = [
+                x1 * rope.cos - x2 * rope.sin,
+                x2 * rope.cos + x1 * rope.sin,
+                x32[..., rotary_dim:],
+            ]
             return torch.cat(parts, dim=-1).to(x.dtype)
-        positions, theta = rope
-        return self._rotary.apply_rotary(x, positions, theta, rotary_dim)
+        return self._rotary.apply_rotary(
+            x, rope.positions, rope.theta, rotary_dim, freqs=rope.freqs
+        )
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
         return self._act.silu_and_mul(x)
@@ -283,6 +296,27 @@ class CudaOps:
                 if step.q_lens[b] > i:
                     snapshots[p.snapshot_first[b] + i] = states[p.slot_ids[b]]
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Rope:
+    """A step's RoPE for the rotary kernel: positions and the device-resident frequencies."""
+
+    positions: Tensor
+    theta: float
+    freqs: Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _ScaledRope:
+    """A step's YaRN tables (cos and sin scaled), applied by torch ops."""
+
+    cos: Tensor
+    sin: Tensor
+
+
+def _inv_freq(theta: float, rotary_dim: int) -> Tensor:
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
 
 
 @dataclass(frozen=True, slots=True)

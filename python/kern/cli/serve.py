@@ -129,12 +129,13 @@ def run(args: argparse.Namespace) -> int:
             served_model_names=names,
             allowed_origins=origins,
             allow_unknown_fields=unknown_fields_env(os.environ),
+            enforce_eager=args.enforce_eager,
         )
     )
     try:
         with _interrupts_raise():
             engine = app.start()
-            graphs = _graphs(engine, app, args.enforce_eager)
+            graphs = f"; decode {app.decode_graphs}" if app.decode_graphs else ""
             summary = _summary(target, selection.config.model_type, engine, app, sock, graphs)
             _serve(app, sock, args, summary)
     except KeyboardInterrupt:
@@ -147,22 +148,6 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _graphs(engine: Engine, app: App, eager: bool) -> str:
-    """The decode steps' CUDA graphs, captured now (the scheduler idle, nothing listening);
-    the start-up line's words for them ("" on the CPU)."""
-    if engine.runner.device.type != "cuda":
-        return ""
-    if eager:
-        return "; decode eager (--enforce-eager)"
-    from kern.engine.cuda_graphs import start_graphs
-
-    assert app.scheduler is not None
-    max_len = app.settings.max_model_len if app.settings is not None else None
-    return "; decode " + start_graphs(
-        engine, app.scheduler, max_len=max_len or app.scheduler.max_model_len
-    )
 
 
 def _summary(

@@ -29,6 +29,7 @@ Design notes
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -48,12 +49,15 @@ from kern.models.pages import KvViews
 if TYPE_CHECKING:
     from kern.engine.runner import Runner
 
+log = logging.getLogger("kern")
+
 __all__ = [
     "MAX_SIZE",
     "DecodeGraphs",
     "StaticInputs",
     "bucket",
     "capture_sizes",
+    "graphs_at_load",
     "is_decode",
     "pad",
     "why_not",
@@ -151,11 +155,14 @@ class StaticInputs:
             k = p // pt + 1
             self._tables_np[i, :k] = c.block_table[:k]
             used = max(used, k)
-        self.rows[:, :n].copy_(self._rows[:, :n])
-        self.seq_lens[:n].copy_(self._seq_lens[:n])
+        # From pinned buffers, without waiting: the copies queue ahead of the replay on the
+        # same stream, and the host buffers are next written after this step's logits were
+        # read back (the sampler waits on them), when the copies are long done.
+        self.rows[:, :n].copy_(self._rows[:, :n], non_blocking=True)
+        self.seq_lens[:n].copy_(self._seq_lens[:n], non_blocking=True)
         # the kernel reads a row's pages up to its own length: the columns past the widest
         # row are never read, so they are not copied
-        self.tables[:n, :used].copy_(self._tables[:n, :used])
+        self.tables[:n, :used].copy_(self._tables[:n, :used], non_blocking=True)
 
     def step(self, size: int) -> Step:
         """The :class:`Step` of the first ``size`` rows, every tensor a view of a buffer."""
@@ -269,14 +276,17 @@ class DecodeGraphs:
         return r.model.logits(hidden)
 
 
-def start_graphs(engine, scheduler, *, max_len: int) -> str:
-    """Capture ``engine``'s decode graphs for ``scheduler``'s batches (``kern serve``, before
-    it listens, the scheduler idle): a scratch page is taken from the pool for the padding
-    rows, and the scheduler's page count drops by it. Returns the start-up line's words."""
+def start_graphs(engine, scheduler, *, max_len: int, mode: Mode = "graph") -> str:
+    """Capture ``engine``'s decode graphs for ``scheduler``'s batches (at load, before anything
+    listens, the scheduler idle): a scratch page is taken from the pool for the padding rows,
+    and the scheduler's page count drops by it. Returns the start-up line's words. A capture
+    that fails is logged in one line naming why and the decode runs eagerly, the page given
+    back: a server that cannot capture still serves. ``mode``: as :class:`DecodeGraphs`'s (the
+    stand-ins let the CPU tests run this path)."""
     from kern.engine.runner import Runner
 
     runner = engine.runner
-    if not isinstance(runner, Runner) or runner.device.type != "cuda":
+    if not isinstance(runner, Runner) or (mode == "graph" and runner.device.type != "cuda"):
         return "eager"
     reason = why_not(runner)
     if reason is not None:
@@ -285,11 +295,28 @@ def start_graphs(engine, scheduler, *, max_len: int) -> str:
     if pages is None:
         return "eager (no page free for the padding rows)"
     scratch = int(np.frombuffer(pages, dtype=np.uint32)[0])
+    sizes = capture_sizes(scheduler.max_running)
+    try:
+        graphs = DecodeGraphs(runner, sizes, scratch, max_len, mode=mode)
+        seconds = graphs.capture()
+    except Exception as e:  # noqa: BLE001 - any failure leaves an eager server, named
+        engine.cache.free_pages(pages)
+        why = f"{type(e).__name__}: {e}".splitlines()[0]
+        log.warning("decode graphs: capture failed, decoding eagerly (%s)", why)
+        return f"eager (capture failed: {why})"
     # the page is never freed: the requests' share of the pool is one page less
     scheduler.max_pages -= 1
     scheduler.memory.max_pages -= 1
-    sizes = capture_sizes(scheduler.max_running)
-    graphs = DecodeGraphs(runner, sizes, scratch, max_len)
-    seconds = graphs.capture()
     runner.graphs = graphs
     return f"cuda graphs at batch {','.join(map(str, sizes))} (captured in {seconds:.1f} s)"
+
+
+def graphs_at_load(engine, scheduler, *, max_len: int, eager: bool) -> str:
+    """What the app's load does for the decode steps (the start-up line's words): nothing on
+    the CPU (""), eager when told (``--enforce-eager``, ``KERN_ENFORCE_EAGER``), else
+    :func:`start_graphs`."""
+    if engine.runner.device.type != "cuda":
+        return ""
+    if eager:
+        return "eager (--enforce-eager)"
+    return start_graphs(engine, scheduler, max_len=max_len)

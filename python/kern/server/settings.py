@@ -72,6 +72,9 @@ class Settings:
     # log line instead of a 400 naming it, as the target's allow_unknown_fields key says
     # (either turns it on).
     allow_unknown_fields: bool = False
+    # Decode without CUDA graphs (``--enforce-eager``, ``KERN_ENFORCE_EAGER``); on a CUDA
+    # target the app captures them at load otherwise.
+    enforce_eager: bool = False
 
     def tokenizer(self, loaded: Tokenizer) -> Tokenizer:
         """The checkpoint's tokenizer, with :attr:`chat_template` in place of its template."""
@@ -94,6 +97,7 @@ class Settings:
         ``KERN_TOOL_CALL_PARSER``, ``KERN_HOSTED_TOOLS``,
         ``KERN_ALLOW_UNKNOWN_FIELDS``, ``KERN_MAX_MODEL_LEN``, ``KERN_CHAT_TEMPLATE`` (a file),
         ``KERN_SERVED_MODEL_NAME``, ``KERN_ALLOWED_ORIGINS`` (comma-separated),
+        ``KERN_ENFORCE_EAGER`` (as ``--enforce-eager``),
         ``KERN_GRAMMAR_TIMEOUT`` and ``KERN_GRAMMAR_MAX_BYTES`` (as their flags). Raises
         ``UsageError`` naming the variable."""
         env = os.environ
@@ -135,6 +139,7 @@ class Settings:
         out.shutdown_timeout = shutdown_timeout(env)
         out.log_prompts = env.get("KERN_LOG_PROMPTS", "") not in ("", "0")
         out.allow_unknown_fields = unknown_fields_env(env)
+        out.enforce_eager = env.get("KERN_ENFORCE_EAGER", "") not in ("", "0")
         level = env.get("KERN_LOG_LEVEL", "info").lower()
         if level not in logs.LEVELS:
             raise UsageError(f"KERN_LOG_LEVEL={level!r} is not one of {', '.join(logs.LEVELS)}")

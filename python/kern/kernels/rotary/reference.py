@@ -17,15 +17,21 @@ def inv_freq(theta: float, rotary_dim: int) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
 
 
-def apply_rotary(x: Tensor, positions: Tensor, theta: float, rotary_dim: int) -> Tensor:
+def apply_rotary(
+    x: Tensor, positions: Tensor, theta: float, rotary_dim: int, freqs: Tensor | None = None
+) -> Tensor:
     """x: [T, H, D], positions: [T] int64 -> rotated copy, same shape and dtype. Pure.
+    ``freqs``: ``inv_freq(theta, rotary_dim)`` already on x's device (a caller that keeps it
+    there makes no host-to-device copy, which a CUDA graph could not capture).
 
     cos/sin and the rotation are float32, rounded once to x.dtype. (transformers rounds
     cos/sin to the model dtype first and rotates in it: identical in float32, within one
     rounding in bf16.)
     """
     half = rotary_dim // 2
-    freqs = positions.to(x.device)[:, None].float() * inv_freq(theta, rotary_dim).to(x.device)
+    if freqs is None:
+        freqs = inv_freq(theta, rotary_dim).to(x.device)
+    freqs = positions.to(x.device)[:, None].float() * freqs
     # through `pointwise`, so a position's cos/sin bits never depend on T
     cos = pointwise(torch.cos, freqs)[:, None, :]  # [T, 1, half], broadcast over heads
     sin = pointwise(torch.sin, freqs)[:, None, :]

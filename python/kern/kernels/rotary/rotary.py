@@ -2,8 +2,9 @@
 
 Design notes: one program rotates BT tokens of one head: it loads both halves of the first
 rotary_dim dims, rotates them in float32 with cos/sin of position * inv_freq, and copies the
-dims past rotary_dim through. inv_freq comes from `reference.inv_freq` on the host (a
-[rotary_dim/2] vector), so it is bitwise the one transformers builds; cos/sin are Triton's
+dims past rotary_dim through. inv_freq comes from `reference.inv_freq` (a [rotary_dim/2] vector
+built on the host, so bitwise the one transformers builds; a caller may pass it already on
+the device, as the CUDA backend does once per (theta, rotary_dim)); cos/sin are Triton's
 (libdevice on a GPU), within an ulp of torch's. Autotuned over warps and BT, keyed on the
 head shape.
 """
@@ -65,7 +66,9 @@ def rotary_kernel(
         tl.store(p_yp, tl.load(p_xp, mask=m_p, other=0.0), mask=m_p)
 
 
-def apply_rotary(x: Tensor, positions: Tensor, theta: float, rotary_dim: int) -> Tensor:
+def apply_rotary(
+    x: Tensor, positions: Tensor, theta: float, rotary_dim: int, freqs: Tensor | None = None
+) -> Tensor:
     """See `reference.apply_rotary`. Pure: returns a new tensor. rotary_dim must be even."""
     check_device(x, positions)
     if rotary_dim % 2 or not 0 < rotary_dim <= x.shape[-1]:
@@ -74,7 +77,8 @@ def apply_rotary(x: Tensor, positions: Tensor, theta: float, rotary_dim: int) ->
         x = x.contiguous()
     num_tokens, num_heads, head_dim = x.shape
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    freqs = inv_freq(theta, rotary_dim).to(x.device)
+    if freqs is None:
+        freqs = inv_freq(theta, rotary_dim).to(x.device)
     grid = lambda meta: (triton.cdiv(num_tokens, meta["BT"]), num_heads)  # noqa: E731
     rotary_kernel[grid](
         x,
