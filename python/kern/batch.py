@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -64,7 +65,9 @@ def validate(
                 f"chunk {i}: block_table has {len(c.block_table)} pages, positions up to "
                 f"{c.start_pos + n - 1} need {need}"
             )
-        if any(not 0 <= p < num_pages for p in c.block_table[:need]):
+        # min and max run in C: a 2k-token context is 128 pages, 64 of them 8k per step
+        pages = c.block_table[:need]
+        if min(pages) < 0 or max(pages) >= num_pages:
             raise ValueError(f"chunk {i}: a page id is outside [0, {num_pages})")
         if c.logits not in ("last", "all", "none"):
             raise ValueError(f"chunk {i}: logits must be 'last', 'all' or 'none'")
@@ -77,43 +80,50 @@ def validate(
 
 
 def build_step(batch: Sequence[SeqChunk], page_tokens: int, device: torch.device) -> Step:
-    """The shared index tensors of ``batch`` (assumed valid, see :func:`validate`)."""
+    """The shared index tensors of ``batch`` (assumed valid, see :func:`validate`). The index
+    arithmetic runs in numpy (a small array op is a microsecond there, several in torch), and
+    each table row is filled from its chunk's list in one assignment."""
+    n = len(batch)
     q_lens = [len(c.token_ids) for c in batch]
-    q_starts = [0] * len(batch)
-    total = 0
-    for i, n in enumerate(q_lens):
-        q_starts[i] = total
-        total += n
-    ctx_lens = [c.start_pos + n for c, n in zip(batch, q_lens, strict=True)]
-    token_ids = torch.tensor([t for c in batch for t in c.token_ids], dtype=torch.long)
-    lens = torch.tensor(q_lens)
-    seq_of_row = torch.repeat_interleave(torch.arange(len(batch)), lens)
-    first = torch.tensor([c.start_pos for c in batch]) - torch.tensor(q_starts)
-    positions = torch.arange(total) + first[seq_of_row]
-    num_pages = [cdiv(n, page_tokens) for n in ctx_lens]
-    width = max(num_pages)
-    tables = torch.zeros(len(batch), width, dtype=torch.long)
-    used = torch.arange(width)[None, :] < torch.tensor(num_pages)[:, None]
-    tables[used] = torch.tensor(
-        [p for c, n in zip(batch, num_pages, strict=True) for p in c.block_table[:n]]
-    )
+    lens = np.array(q_lens, dtype=np.int64)
+    starts = np.array([c.start_pos for c in batch], dtype=np.int64)
+    q_starts_np = np.cumsum(lens) - lens
+    ctx = starts + lens
+    total = int(q_starts_np[-1] + lens[-1])
+    if total == n:  # a decode batch: one row a sequence
+        seq_of_row = np.arange(n)
+        positions = starts
+        tokens = [c.token_ids[0] for c in batch]
+    else:
+        seq_of_row = np.repeat(np.arange(n), lens)
+        positions = np.arange(total, dtype=np.int64) + (starts - q_starts_np)[seq_of_row]
+        tokens = [t for c in batch for t in c.token_ids]
+    num_pages = (ctx + page_tokens - 1) // page_tokens
+    tables = np.zeros((n, int(num_pages.max())), dtype=np.int64)
+    for row, c, k in zip(tables, batch, num_pages.tolist(), strict=True):
+        row[:k] = c.block_table[:k]
     page_ids = tables[seq_of_row, positions // page_tokens]
     page_offsets = positions % page_tokens
     logit_rows = []
-    for c, s, n in zip(batch, q_starts, q_lens, strict=True):
+    q_starts = q_starts_np.tolist()
+    for c, s, k in zip(batch, q_starts, q_lens, strict=True):
         if c.logits == "last":
-            logit_rows.append(s + n - 1)
+            logit_rows.append(s + k - 1)
         elif c.logits == "all":
-            logit_rows.extend(range(s, s + n))
+            logit_rows.extend(range(s, s + k))
+
+    def on_device(a: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
     return Step(
-        token_ids=token_ids.to(device),
-        positions=positions.to(device),
-        page_ids=page_ids.to(device),
-        page_offsets=page_offsets.to(device),
-        slot_mapping=(page_ids * page_tokens + page_offsets).to(device),
+        token_ids=torch.tensor(tokens, dtype=torch.long, device=device),
+        positions=on_device(positions),
+        page_ids=on_device(page_ids),
+        page_offsets=on_device(page_offsets),
+        slot_mapping=on_device(page_ids * page_tokens + page_offsets),
         logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
         q_starts=q_starts,
         q_lens=q_lens,
-        ctx_lens=ctx_lens,
-        block_tables=tables,
+        ctx_lens=ctx.tolist(),
+        block_tables=torch.from_numpy(tables),
     )
