@@ -13,6 +13,7 @@ Design notes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kern.checkpoint.errors import ConfigFieldError, UnsupportedModelError
@@ -21,12 +22,27 @@ from kern.models import shapes
 from kern.models.config import LAYER_TYPES, Delta, ModelConfig
 
 __all__ = [
+    "TINY_SIZES",
     "delta_shapes",
+    "layer_shapes",
     "multimodal_name",
     "read_delta",
     "read_layer_types",
     "refuse_quantization",
+    "tiny_config",
+    "tiny_norm_center",
 ]
+
+# The tiny checkpoints' DeltaNet sizes and pattern (``kern make-tiny``): 2 key heads serving
+# 4 value heads of 16, a conv of 4, linear and full attention alternating.
+TINY_SIZES: dict[str, Any] = dict(
+    linear_key_heads=2,
+    linear_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    conv_kernel=4,
+    full_attention_interval=2,
+)
 
 
 def read_layer_types(f: Fields, n: int) -> tuple[str, ...]:
@@ -99,6 +115,21 @@ def delta_shapes(c: ModelConfig, p: str, *, fused: bool = False) -> shapes.Shape
     return out
 
 
+def layer_shapes(
+    c: ModelConfig, i: int, mlp: Callable[[ModelConfig, int, str], shapes.Shapes], *, fused=False
+) -> shapes.Shapes:
+    """Layer ``i``'s tensors: its norms, the DeltaNet (``fused``: Qwen3-Next's) or gated
+    attention per ``layer_types``, and ``mlp(c, i, prefix)``'s."""
+    p = f"model.layers.{i}."
+    out = shapes.norms(c, p)
+    if c.is_linear_layer(i):
+        out.update(delta_shapes(c, p + "linear_attn.", fused=fused))
+    else:
+        out.update(shapes.attention(c, p + "self_attn.", gated=True))
+    out.update(mlp(c, i, p + "mlp."))
+    return out
+
+
 def multimodal_name(name: str) -> str | None:
     """A multimodal release's language model sits under ``model.language_model.``; its vision
     tower and MTP head are not read (None), as transformers' ``*ForCausalLM`` skips them."""
@@ -119,3 +150,30 @@ def refuse_quantization(f: Fields, raw: dict[str, Any]) -> None:
             f"{f.where}: quantization_config (quant_method {method!r}) is not supported for "
             "this family: kern reads its bfloat16, float16 or float32 weights"
         )
+
+
+def tiny_config(a: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """A tiny checkpoint's hybrid fields on ``cfg`` (sizes ``a``): the layer pattern, the
+    DeltaNet's sizes, and RoPE on a quarter of each head."""
+    n, interval = a["layers"], a["full_attention_interval"]
+    cfg.update(
+        layer_types=[
+            "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)
+        ],
+        linear_conv_kernel_dim=a["conv_kernel"],
+        linear_key_head_dim=a["linear_key_head_dim"],
+        linear_num_key_heads=a["linear_key_heads"],
+        linear_num_value_heads=a["linear_value_heads"],
+        linear_value_head_dim=a["linear_value_head_dim"],
+        rope_parameters={
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000.0,
+            "rope_type": "default",
+        },
+    )
+
+
+def tiny_norm_center(name: str) -> float:
+    """A norm weight's neutral value: 0 for the zero-centred norms, 1 for the DeltaNet's
+    gated output norm (it scales by w as stored)."""
+    return 1.0 if name.endswith("linear_attn.norm.weight") else 0.0

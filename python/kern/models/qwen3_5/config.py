@@ -13,7 +13,7 @@ from kern.checkpoint.fields import Fields
 from kern.models import shapes
 from kern.models.config import CommonDefaults, ModelConfig, common_fields, read_rope
 from kern.models.hybrid import (
-    delta_shapes,
+    layer_shapes,
     multimodal_name,
     read_delta,
     read_layer_types,
@@ -40,18 +40,11 @@ def read_config(f: Fields, raw: dict[str, Any]) -> ModelConfig:
 
 
 def tensor_shapes(c: ModelConfig) -> shapes.Shapes:
-    return shapes.decoder(c, _layer)
+    return shapes.decoder(c, lambda c, i: layer_shapes(c, i, _mlp))
 
 
-def _layer(c: ModelConfig, i: int) -> shapes.Shapes:
-    p = f"model.layers.{i}."
-    out = shapes.norms(c, p)
-    if c.is_linear_layer(i):
-        out.update(delta_shapes(c, p + "linear_attn."))
-    else:
-        out.update(shapes.attention(c, p + "self_attn.", gated=True))
-    out.update(shapes.mlp(c.hidden_size, c.intermediate_size, p + "mlp."))
-    return out
+def _mlp(c: ModelConfig, i: int, p: str) -> shapes.Shapes:
+    return shapes.mlp(c.hidden_size, c.intermediate_size, p)
 
 
 def canonical_name(c: ModelConfig, name: str, mtp: bool) -> str | None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kern.models.hybrid import TINY_SIZES, tiny_config
+from kern.models.hybrid import tiny_norm_center as norm_center
+
 __all__ = ["DEFAULTS", "config_json", "norm_center"]
 
 DEFAULTS: dict[str, Any] = dict(
@@ -17,38 +20,11 @@ DEFAULTS: dict[str, Any] = dict(
     head_dim=32,
     intermediate=128,
     vocab=512,
-    linear_key_heads=2,
-    linear_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    conv_kernel=4,
-    full_attention_interval=2,
+    **TINY_SIZES,
 )
 
 
 def config_json(a: dict[str, Any], cfg: dict[str, Any]) -> None:
     """The family's fields on ``cfg`` (the common ones, kern.tiny.config), sizes ``a``."""
-    n, interval = a["layers"], a["full_attention_interval"]
-    cfg.update(
-        architectures=["Qwen3_5ForCausalLM"],
-        model_type="qwen3_5_text",
-        layer_types=[
-            "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)
-        ],
-        linear_conv_kernel_dim=a["conv_kernel"],
-        linear_key_head_dim=a["linear_key_head_dim"],
-        linear_num_key_heads=a["linear_key_heads"],
-        linear_num_value_heads=a["linear_value_heads"],
-        linear_value_head_dim=a["linear_value_head_dim"],
-        rope_parameters={
-            "partial_rotary_factor": 0.25,
-            "rope_theta": 10000000.0,
-            "rope_type": "default",
-        },
-    )
-
-
-def norm_center(name: str) -> float:
-    """A norm weight's neutral value: 0 for the zero-centred norms, 1 for the DeltaNet's
-    gated output norm (it scales by w as stored)."""
-    return 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+    cfg.update(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text")
+    tiny_config(a, cfg)

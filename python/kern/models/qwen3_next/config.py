@@ -12,7 +12,7 @@ from typing import Any
 from kern.checkpoint.fields import Fields
 from kern.models import shapes
 from kern.models.config import CommonDefaults, ModelConfig, common_fields, read_rope
-from kern.models.hybrid import delta_shapes, read_delta, read_layer_types, refuse_quantization
+from kern.models.hybrid import layer_shapes, read_delta, read_layer_types, refuse_quantization
 from kern.models.routed import read_experts, read_sparse_steps
 
 __all__ = ["read_config", "tensor_shapes"]
@@ -39,18 +39,10 @@ def read_config(f: Fields, raw: dict[str, Any]) -> ModelConfig:
 
 
 def tensor_shapes(c: ModelConfig) -> shapes.Shapes:
-    return shapes.decoder(c, _layer)
+    return shapes.decoder(c, lambda c, i: layer_shapes(c, i, _mlp, fused=True))
 
 
-def _layer(c: ModelConfig, i: int) -> shapes.Shapes:
-    p = f"model.layers.{i}."
-    out = shapes.norms(c, p)
-    if c.is_linear_layer(i):
-        out.update(delta_shapes(c, p + "linear_attn.", fused=True))
-    else:
-        out.update(shapes.attention(c, p + "self_attn.", gated=True))
+def _mlp(c: ModelConfig, i: int, p: str) -> shapes.Shapes:
     if c.is_sparse_layer(i):
-        out.update(shapes.gated_shared(c, p + "mlp."))
-    else:
-        out.update(shapes.mlp(c.hidden_size, c.intermediate_size, p + "mlp."))
-    return out
+        return shapes.gated_shared(c, p)
+    return shapes.mlp(c.hidden_size, c.intermediate_size, p)
