@@ -88,3 +88,23 @@ def test_reference_row_invariant(fn):
         rows = torch.randperm(40)[:num_rows]
         rows[num_rows // 2] = 7
         assert torch.equal(run(rows)[num_rows // 2], want), num_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, assert_close, tol):
+    """The fused residual add: the norm kernel on the sum it stores, bit for bit, and the
+    reference within rounding. The sum is torch's add bit for bit in float32; in bf16 within
+    one rounding here (the interpreter's float32 -> bf16 cast truncates, where torch rounds
+    to nearest even, as a GPU does)."""
+    x = torch.randn(13, 96).to(dtype)
+    r = torch.randn(13, 96).to(dtype)
+    weight = torch.randn(96).to(dtype)
+    total, y = rms_norm.add_rms_norm(x, r, weight, EPS, offset=1.0)
+    assert torch.equal(y, rms_norm.rms_norm(total, weight, EPS, offset=1.0))
+    ref_total, ref_y = reference.add_rms_norm(x, r, weight, EPS, offset=1.0)
+    if dtype == torch.float32:
+        assert torch.equal(total, x + r) and torch.equal(ref_total, total)
+    assert_close("sum", ref_total, total, tol(dtype))
+    assert_close("y", ref_y, y, tol(dtype))
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm.add_rms_norm(x, r[:3], weight, EPS)

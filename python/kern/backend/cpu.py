@@ -153,6 +153,12 @@ class CpuOps:
         variance = x.pow(2).mean(-1, keepdim=True)
         return x * variance.add_(eps).rsqrt_() * w
 
+    def add_rms_norm(self, x: Tensor, h: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """(x + h, its :meth:`rms_norm`): a decoder layer's residual add and the next norm
+        (the CUDA backend does both in one kernel)."""
+        total = x + h
+        return total, self.rms_norm(total, w, eps)
+
     def gated_rms_norm(
         self, x: Tensor, z: Tensor, w: Tensor, eps: float, gate: str = "silu"
     ) -> Tensor:
@@ -191,6 +197,11 @@ class CpuOps:
         if rotary_dim < x.shape[-1]:
             parts.append(x[..., rotary_dim:])
         return torch.cat(parts, dim=-1)
+
+    def qk_norm_rope(self, qk: Tensor, w: Tensor, eps: float, rope, rotary_dim: int) -> Tensor:
+        """The attention layers' per-head q/k norm (``w`` [H, D] from :meth:`prepare_norm`),
+        then RoPE: the two ops in sequence (the CUDA backend fuses them)."""
+        return self.rotary(self.rms_norm(qk, w, eps), rope, rotary_dim)
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
         """silu(gate) * up as ``kern.kernels.pointwise.silu`` computes it, in one new buffer."""

@@ -40,6 +40,7 @@ class CudaOps:
         self._sparse = self._kernel("sparse_attention")
         self._norm = self._kernel("rms_norm")
         self._rotary = self._kernel("rotary")
+        self._qk_norm_rope = self._kernel("qk_norm_rope")
         self._act = self._kernel("silu_and_mul")
         self._conv = self._kernel("causal_conv1d")
         self._gdr = self._kernel("gated_delta_rule")
@@ -79,6 +80,14 @@ class CudaOps:
             part = x[:, lo:hi].contiguous()
             out[:, lo:hi] = self._norm.rms_norm(part, weight[lo], eps, offset=offset)
         return out
+
+    def add_rms_norm(self, x: Tensor, h: Tensor, w, eps: float) -> tuple[Tensor, Tensor]:
+        """(x + h, its rms_norm) in one kernel (``rms_norm.add_rms_norm``)."""
+        weight, offset, runs = w
+        if runs is not None:
+            total = x + h
+            return total, self.rms_norm(total, w, eps)
+        return self._norm.add_rms_norm(x, h, weight, eps, offset=offset)
 
     def gated_rms_norm(
         self, x: Tensor, z: Tensor, w: Tensor, eps: float, gate: str = "silu"
@@ -125,6 +134,17 @@ class CudaOps:
             return torch.cat(parts, dim=-1).to(x.dtype)
         return self._rotary.apply_rotary(
             x, rope.positions, rope.theta, rotary_dim, freqs=rope.freqs
+        )
+
+    def qk_norm_rope(self, qk: Tensor, w, eps: float, rope, rotary_dim: int) -> Tensor:
+        """The attention layers' per-head q/k norm (``w`` from :meth:`prepare_norm`, a row per
+        head) and RoPE in one kernel (``kern.kernels.qk_norm_rope``: the same bits as the
+        two in sequence); YaRN's tables go the two-op way."""
+        if isinstance(rope, _ScaledRope) or w[2] is None:
+            return self.rotary(self.rms_norm(qk, w, eps), rope, rotary_dim)
+        weight, offset, _ = w
+        return self._qk_norm_rope.qk_norm_rope(
+            qk, weight, eps, offset, rope.positions, rope.theta, rotary_dim, rope.freqs
         )
 
     def silu_and_mul(self, x: Tensor) -> Tensor:

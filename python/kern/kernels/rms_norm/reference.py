@@ -28,6 +28,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: float = 0.0) -> T
     return (y * (offset + weight.float())).to(x.dtype)
 
 
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, offset: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """(x + residual, rms_norm of it): the residual add rounded to x.dtype as torch's add
+    stores it, then :func:`rms_norm` of that sum. Pure."""
+    total = x + residual
+    return total, rms_norm(total, weight, eps, offset=offset)
+
+
 def gated_rms_norm(
     x: Tensor, z: Tensor, weight: Tensor, eps: float, *, gate: str = "silu"
 ) -> Tensor:

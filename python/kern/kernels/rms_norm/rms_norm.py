@@ -17,13 +17,14 @@ RMS_NORM_CONFIGS = [
 ]
 
 
-@triton.autotune(configs=autotune_configs(RMS_NORM_CONFIGS), key=["D", "GATED", "SIGMOID"])
+@triton.autotune(configs=autotune_configs(RMS_NORM_CONFIGS), key=["D", "GATED", "SIGMOID", "ADD"])
 @triton.jit(do_not_specialize=["T"])
 def rms_norm_kernel(
     x,
     z,
     w,
     y,
+    s,
     T,
     D: tl.constexpr,
     stride_x,
@@ -34,6 +35,7 @@ def rms_norm_kernel(
     GATED: tl.constexpr,
     SIGMOID: tl.constexpr,
     ROUND_MID: tl.constexpr,
+    ADD: tl.constexpr,
     BD: tl.constexpr,
     BT: tl.constexpr,
 ):
@@ -45,6 +47,13 @@ def rms_norm_kernel(
     m_td = m_t[:, None] & m_d[None, :]
     b_x = tl.load(x + o_t[:, None] * stride_x + o_d[None, :], mask=m_td, other=0.0)
     b_x = b_x.to(tl.float32)
+    if ADD:
+        # the residual add first, rounded to the output dtype as a separate add stores it
+        # (z is the residual here, s receives the sum); the norm reads the rounded sum
+        b_r = tl.load(z + o_t[:, None] * stride_z + o_d[None, :], mask=m_td, other=0.0)
+        b_x = (b_x + b_r.to(tl.float32)).to(y.dtype.element_ty)
+        tl.store(s + o_t[:, None] * stride_y + o_d[None, :], b_x, mask=m_td)
+        b_x = b_x.to(tl.float32)
     b_var = tl.sum(b_x * b_x, axis=1) / D
     b_n = b_x * tl.rsqrt(b_var + eps)[:, None]
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -68,8 +77,14 @@ def rms_norm_kernel(
 
 
 def _launch(
-    x: Tensor, z: Tensor | None, weight: Tensor, eps: float, offset: float, sigmoid: bool = False
-) -> Tensor:
+    x: Tensor,
+    z: Tensor | None,
+    weight: Tensor,
+    eps: float,
+    offset: float,
+    sigmoid: bool = False,
+    add: bool = False,
+) -> tuple[Tensor, Tensor]:
     check_device(x, weight)
     shape = x.shape
     num_cols = shape[-1]
@@ -83,6 +98,7 @@ def _launch(
             z2 = z2.contiguous()
     num_rows = x2.shape[0]
     y = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    total = torch.empty_like(y) if add else y
     round_mid = torch.promote_types(weight.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
     grid = lambda meta: (triton.cdiv(num_rows, meta["BT"]),)  # noqa: E731
     rms_norm_kernel[grid](
@@ -90,6 +106,7 @@ def _launch(
         z2,
         weight.contiguous(),
         y,
+        total,
         num_rows,
         num_cols,
         x2.stride(0),
@@ -97,17 +114,28 @@ def _launch(
         y.stride(0),
         eps,
         offset,
-        GATED=z is not None,
+        GATED=z is not None and not add,
         SIGMOID=sigmoid,
         ROUND_MID=round_mid,
+        ADD=add,
         BD=triton.next_power_of_2(num_cols),
     )
-    return y.reshape(shape)
+    return y.reshape(shape), total.reshape(shape)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, offset: float = 0.0) -> Tensor:
     """See `reference.rms_norm`. Pure: returns a new tensor."""
-    return _launch(x, None, weight, eps, offset)
+    return _launch(x, None, weight, eps, offset)[0]
+
+
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, offset: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """See `reference.add_rms_norm`. Pure: returns (x + residual, its rms_norm)."""
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {list(residual.shape)} and x {list(x.shape)} differ")
+    y, total = _launch(x, residual, weight, eps, offset, add=True)
+    return total, y
 
 
 def gated_rms_norm(
@@ -116,4 +144,4 @@ def gated_rms_norm(
     """See `reference.gated_rms_norm`. Pure: returns a new tensor."""
     if gate not in ("silu", "sigmoid"):
         raise ValueError(f"gate must be 'silu' or 'sigmoid', got {gate!r}")
-    return _launch(x, z, weight, eps, 0.0, sigmoid=gate == "sigmoid")
+    return _launch(x, z, weight, eps, 0.0, sigmoid=gate == "sigmoid")[0]

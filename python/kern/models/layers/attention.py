@@ -74,7 +74,7 @@ class Attention:
         else:
             heads = qkv.view(n, h + 2 * hk, d)
             qk, v = heads[:, : h + hk], heads[:, h + hk :]
-        qk = ops.rotary(ops.rms_norm(qk, self.qk_norm, self.eps), step.rope, self.rotary_dim)
+        qk = ops.qk_norm_rope(qk, self.qk_norm, self.eps, step.rope, self.rotary_dim)
         q, k = qk[:, :h], qk[:, h:]
         kv_cache = caches.kv[self.kv_index]
         ops.write_kv(step, k, v, kv_cache)

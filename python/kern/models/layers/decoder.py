@@ -40,8 +40,9 @@ class DecoderLayer:
 
     def __call__(self, x: Tensor, step: Step, caches: Caches) -> Tensor:
         ops = self.ops
-        x = x + self.mixer(ops.rms_norm(x, self.input_norm, self.eps), step, caches)
-        return x + self.mlp(ops.rms_norm(x, self.post_norm, self.eps))
+        h = self.mixer(ops.rms_norm(x, self.input_norm, self.eps), step, caches)
+        x, y = ops.add_rms_norm(x, h, self.post_norm, self.eps)
+        return x + self.mlp(y)
 
 
 class DecoderModel:
