@@ -1,0 +1,36 @@
+"""``kern.bench.layer_launches``: a qwen3 layer's decode launches on the CUDA wiring (Triton
+under the interpreter), held to what the fused kernels brought them to: the q/k norm and RoPE
+one launch, the residual add fused into the post-attention norm, no host sync."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_qwen3_layer_at_decode(monkeypatch, batch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from kern.bench.layer_launches import count
+
+    ops, launches, layers = count("qwen3", batch)
+    kernels: Counter = Counter()
+    for (layer, name), n in launches.items():
+        if layer is not None:
+            kernels[name] += n
+    assert kernels == Counter(
+        linear_kernel=4 * layers,
+        paged_attention_kernel=layers,
+        qk_norm_rope_kernel=layers,
+        rms_norm_kernel=2 * layers,
+        silu_and_mul_kernel=layers,
+        write_kv_kernel=layers,
+    )
+    compute: Counter = Counter()
+    for (layer, kind), n in ops.items():
+        if layer is not None and kind.startswith("op "):
+            compute[kind] += n
+    assert compute == Counter({"op add": layers})  # the MLP's residual add
+    assert not any(k == "sync" for _, k in ops)
