@@ -394,9 +394,12 @@ FAMILIES = [
     "kimi_linear",
     "deepseek_v4",
 ]
+# The interpreter is slow: qwen3_next runs qwen3_5_moe's kernels (its grouped in-projection
+# is reordered at load, before any kernel), so it is checked on the reference backend only.
+TRITON_FAMILIES = [f for f in FAMILIES if f != "qwen3_next"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TRITON_FAMILIES)
 def test_triton_backend_matches_cpu(family, tmp_path, monkeypatch):
     # Read when triton and a kernel module are first imported: set before either.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
