@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from kern.batch import Step
+from kern.kernels.rotary import reference as _rotary_ref
 
 
 class CudaOps:
@@ -116,7 +117,7 @@ class CudaOps:
         key = (theta, rotary_dim, None if inv_freq is None else id(inv_freq))
         kept = self._freqs.get(key)
         if kept is None or (inv_freq is not None and kept[0] is not inv_freq):
-            host = inv_freq if inv_freq is not None else _inv_freq(theta, rotary_dim)
+            host = inv_freq if inv_freq is not None else _rotary_ref.inv_freq(theta, rotary_dim)
             kept = (inv_freq, host.to(device=self.device, dtype=torch.float32))
             self._freqs[key] = kept
         return kept[1]
@@ -333,10 +334,6 @@ class _ScaledRope:
 
     cos: Tensor
     sin: Tensor
-
-
-def _inv_freq(theta: float, rotary_dim: int) -> Tensor:
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
 
 
 @dataclass(frozen=True, slots=True)
