@@ -154,3 +154,58 @@ def test_scratch_is_kept_across_plans_within_its_bound():
     plan = attention.plan_attention(*args, step.page_ids, step.page_offsets, scratch)
     big = plan.buffer("s", (planning.SCRATCH_KEEP // 4 + 1,), q)
     assert scratch["s"].data_ptr() == kept["s"] and big.data_ptr() != kept["s"]
+
+
+def _dense_with_sinks(batch, page, hk, rep, q, cache, scale, sinks, window):
+    """Oracle per sequence: softmax over the visible keys and the head's sink logit."""
+    q_lens, ctx, tables = batch[:3]
+    k_view, v_view = attention.kv_views(cache)
+    out, at = [], 0
+    for n, c, table in zip(q_lens, ctx, tables, strict=True):
+        pos = torch.arange(c)
+        pages = torch.tensor(table)[pos // page]
+        k = k_view[pages, pos % page].repeat_interleave(rep, dim=1).transpose(0, 1)
+        v = v_view[pages, pos % page].repeat_interleave(rep, dim=1).transpose(0, 1)
+        qs = q[at : at + n].transpose(0, 1)
+        q_pos = torch.arange(c - n, c)[:, None]
+        visible = pos[None, :] <= q_pos
+        if window:
+            visible &= pos[None, :] > q_pos - window
+        logits = torch.where(visible, qs @ k.transpose(1, 2) * scale, float("-inf"))
+        sink = sinks.view(-1, 1, 1).expand(-1, n, 1)
+        probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1]
+        out.append((probs @ v).transpose(0, 1))
+        at += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("plain", list(PLAIN))
+def test_sinks_and_a_window_match_the_oracle_and_keep_the_fast_paths_bits(monkeypatch, plain):
+    """gpt-oss's attention on the CPU: close to the plain softmax with a sink column, and the
+    fast path's switches leave every bit as the plain formulation gives it."""
+    rng = random.Random(f"sinks-{plain}")
+    monkeypatch.setattr(attention, "CHUNK_BYTES", 1)
+    for trial in range(6):
+        page = rng.choice([16, 32])
+        hk, rep, d = rng.choice([1, 2]), rng.choice([1, 2, 4]), 32
+        window = rng.choice([0, 7, 40, 128])
+        batch = _batch(rng, page, long=trial % 2 == 0)
+        gen = torch.Generator().manual_seed(trial)
+        q = torch.randn(sum(batch[0]), hk * rep, d, generator=gen)
+        cache = torch.randn(batch[3], 2, hk, page, d, generator=gen)
+        sinks = torch.randn(hk * rep, generator=gen) * 3
+
+        def run():
+            plan = _plan(*batch[:3], page, hk, rep, d, cache)
+            return attention.attend(plan, q, cache, 0.11, sinks, window)
+
+        fast = run()
+        want = _dense_with_sinks(batch, page, hk, rep, q, cache, 0.11, sinks, window)
+        torch.testing.assert_close(fast, want, rtol=1e-4, atol=1e-5)
+        with monkeypatch.context() as m:
+            if PLAIN[plain] is None:
+                m.setattr(planning, "_tail_block", lambda first_pos, num_blocks: 0)
+            else:
+                m.setattr(attention, *PLAIN[plain])
+            slow = run()
+        assert torch.equal(_bits(fast), _bits(slow)), (plain, page, hk, rep, window, batch[:2])

@@ -24,6 +24,7 @@ from kern.checkpoint.load import load_checkpoint
 from kern.chunk import SeqChunk
 from kern.engine.generate import generate
 from kern.engine.runner import Runner
+from kern.models import registry
 from kern.tiny import make_tiny
 from kern.tiny.model import _weights
 
@@ -112,6 +113,19 @@ CASES = {
         dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3]),
     ),
     "qwen3_5_moe-default": ("qwen3_5_moe", dict(), {}),
+    # gpt-oss: windows of 8 on even layers, sinks, YaRN, biased router and experts; the
+    # release's MXFP4 experts; a window of 3 on two layers in a row with no YaRN and a clamp
+    # at 0.2 the activations reach.
+    "gpt_oss-default": ("gpt_oss", dict(), {}),
+    "gpt_oss-mxfp4": ("gpt_oss", dict(fp8=True), {}),
+    "gpt_oss-w3-clamped": (
+        "gpt_oss",
+        dict(sliding_window=3, yarn_factor=0, experts=4, experts_per_tok=3, heads=8),
+        dict(
+            swiglu_limit=0.2,
+            layer_types=["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
+        ),
+    ),
     "qwen3_5-d64-tied-k2v2": (
         "qwen3_5",
         dict(
@@ -137,7 +151,12 @@ def build(tmp: Path, family: str, options: dict, overrides: dict) -> Path:
         raw = json.loads((out / "config.json").read_text())
         raw.update(overrides)
         (out / "config.json").write_text(json.dumps(raw))
-        save_file(_weights(parse_config(raw), 7, torch.float32), str(out / "model.safetensors"))
+        config = parse_config(raw)
+        tensors = _weights(config, 7, torch.float32)
+        writer = registry.family(family).tiny_writer()
+        if hasattr(writer, "fuse"):  # stored fused as the family's files are
+            tensors = writer.fuse(config, tensors)
+        save_file(tensors, str(out / "model.safetensors"))
     return out
 
 
@@ -146,8 +165,11 @@ def case(request, tmp_path_factory):
     family, options, overrides = CASES[request.param]
     path = build(tmp_path_factory.mktemp(request.param), family, options, overrides)
     ckpt = load_checkpoint(path)
+    quantized = {}
+    if ckpt.config.raw.get("quantization_config", {}).get("quant_method") == "mxfp4":
+        quantized["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
+        path, dtype=torch.float32, attn_implementation="eager", **quantized
     ).eval()
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, ckpt.config.vocab_size - 3, (41,), generator=gen).tolist()

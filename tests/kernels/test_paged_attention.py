@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -204,3 +206,81 @@ def test_kernel_batch_and_chunk_invariant():
         ([(0, 37), (37, 38), (38, 39), (39, 40)], [[(17, 1), (3, 3)]]),
     ]
     assert_invariant(paged_attention, length, 4, 2, 64, 16, ways)
+
+
+# gpt-oss: per-head sinks and a sliding window. The oracle is transformers' eager form (the
+# sink a last logit column, dropped after the softmax).
+
+
+def dense_with_sinks(seq, start, stop, scale, sinks, window):
+    """Oracle: each row's softmax over its visible keys and its head's sink logit."""
+    group = seq.q.shape[1] // seq.k.shape[1]
+    q = seq.q[start:stop].float().transpose(0, 1)
+    k = seq.k[:stop].float().repeat_interleave(group, dim=1).transpose(0, 1)
+    v = seq.v[:stop].float().repeat_interleave(group, dim=1).transpose(0, 1)
+    q_pos = torch.arange(start, stop)[:, None]
+    k_pos = torch.arange(stop)[None, :]
+    visible = k_pos <= q_pos
+    if window:
+        visible &= k_pos > q_pos - window
+    logits = torch.where(visible, q @ k.transpose(1, 2) * scale, float("-inf"))
+    sink = sinks.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
+    probs = F.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ v).transpose(0, 1)
+
+
+class With:
+    """A kernel module's functions with sinks and a window bound (what a gpt-oss layer calls)."""
+
+    def __init__(self, fns, sinks, window):
+        self.write_kv = fns.write_kv
+        self.paged_attention = functools.partial(fns.paged_attention, sinks=sinks, window=window)
+
+
+@pytest.mark.parametrize("window", [0, 5, 16, 40])
+def test_reference_matches_the_dense_oracle(window, assert_close):
+    cache, step = make_batch(8, 2, 64, 16, torch.float32)
+    sinks = torch.randn(8) * 2
+    got = run_step(With(reference, sinks, window), cache, step, 0.125)
+    for seq, start, stop in step:
+        want = dense_with_sinks(seq, start, stop, 0.125, sinks, window)
+        assert_close(f"o[{seq.name}]", want, got[seq.name], 1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_a_window_without_sinks_matches_the_oracle(window, assert_close):
+    """No sink: a windowed row meets whole hidden blocks first (m must start finite)."""
+    cache, step = make_batch(4, 2, 64, 16, torch.float32)
+    got = run_step(With(reference, None, window), cache, step, 0.125)
+    neg_inf = torch.full((4,), -1e4)  # exp(-1e4 - x) = 0: no sink
+    for seq, start, stop in step:
+        assert_close(f"o[{seq.name}]", dense_with_sinks(seq, start, stop, 0.125, neg_inf, window),
+                     got[seq.name], 1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads", "head_dim", "page_tokens", "dtype"), KERNEL_CASES[1:5:3]
+)
+@pytest.mark.parametrize(("with_sinks", "window"), [(True, 0), (True, 20), (False, 20)])
+def test_kernel_matches_the_reference(
+    num_q_heads, num_kv_heads, head_dim, page_tokens, dtype, with_sinks, window, assert_close, tol
+):
+    cache, step = make_batch(num_q_heads, num_kv_heads, head_dim, page_tokens, dtype)
+    sinks = torch.randn(num_q_heads) if with_sinks else None
+    arena = cache.arena.clone()
+    ref = run_step(With(reference, sinks, window), cache, step, head_dim**-0.5)
+    cache.arena.copy_(arena)
+    got = run_step(With(paged_attention, sinks, window), cache, step, head_dim**-0.5)
+    for seq, _, _ in step:
+        assert_close(f"o[{seq.name}]", ref[seq.name], got[seq.name], tol(dtype))
+
+
+def test_reference_rows_are_batch_and_chunk_invariant_with_a_window():
+    """Bitwise: leading blocks a tile skips are the no-ops its other rows fold."""
+    length = 110
+    ways = [
+        (splits(length, [23, 24, 90]), [[(5, 1), (40, 33)], [(130, 2)]]),
+        ([(0, 100), *[(p, p + 1) for p in range(100, 110)]], [[(17, 1), (64, 16)]]),
+    ]
+    fns = With(reference, torch.randn(8), 37)
+    assert_invariant(fns, length, 8, 2, 128, 16, ways)

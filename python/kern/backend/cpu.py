@@ -281,8 +281,17 @@ class CpuOps:
         out inside a page is its own business)."""
         return _cpu_attn.kv_views(kv_cache)
 
-    def attention(self, step: Step, q: Tensor, kv_cache: Tensor, scale: float) -> Tensor:
-        return _cpu_attn.attend(step.attention, q, kv_cache, scale)
+    def attention(
+        self,
+        step: Step,
+        q: Tensor,
+        kv_cache: Tensor,
+        scale: float,
+        sinks: Tensor | None = None,
+        window: int = 0,
+    ) -> Tensor:
+        """``sinks`` [Hq] float32 or None, ``window`` 0 or a sliding window (gpt-oss)."""
+        return _cpu_attn.attend(step.attention, q, kv_cache, scale, sinks, window)
 
     def plan_recurrent(
         self, step: Step, slots: list[int], snapshot_seqs: list[int], conv_width: int

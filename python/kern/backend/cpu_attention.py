@@ -124,9 +124,18 @@ def write_kv(plan: CpuAttentionPlan, k: Tensor, v: Tensor, kv_cache: Tensor) -> 
     v_view[plan.page_ids, plan.page_offsets] = v
 
 
-def attend(plan: CpuAttentionPlan, q: Tensor, kv_cache: Tensor, scale: float) -> Tensor:
+def attend(
+    plan: CpuAttentionPlan,
+    q: Tensor,
+    kv_cache: Tensor,
+    scale: float,
+    sinks: Tensor | None = None,
+    window: int = 0,
+) -> Tensor:
     """q: [T, Hq, D]; kv_cache: the layer's arena slice (see kv_views), already holding this
-    step's keys and values -> [T, Hq, D]. Pure."""
+    step's keys and values -> [T, Hq, D]. ``sinks`` [Hq]: a logit per query head in each
+    row's softmax denominator (gpt-oss); ``window`` > 0: a sliding window of that many keys.
+    Pure."""
     num_tokens, num_q_heads, head_dim = q.shape
     hk = plan.num_kv_heads
     num_pages, page_tokens = kv_cache.shape[0], kv_cache.shape[3]
@@ -143,7 +152,7 @@ def attend(plan: CpuAttentionPlan, q: Tensor, kv_cache: Tensor, scale: float) ->
         ((num_pages - 1) * page_stride // chunk + 2 * hk, chunk), (chunk, 1)
     )
     out = q.new_empty(num_tokens, num_q_heads, head_dim)
-    for g in plan.groups:
+    for g in plan.groups_for(window):
         units = g.rows.shape[0]
         nb = g.num_blocks
         # [I, Hk, D, keys] and [I, Hk, NB, KB, D], each one gather of whole rows
@@ -153,7 +162,7 @@ def attend(plan: CpuAttentionPlan, q: Tensor, kv_cache: Tensor, scale: float) ->
         v = torch.index_select(v_rows, 0, g.v_rows, out=v_out)
         k = k.view(units, hk, head_dim, nb * KEY_BLOCK)
         v = v.view(units, hk, nb, KEY_BLOCK, head_dim)
-        _softmax_pv(plan, g, q, k, v, scale, out)
+        _softmax_pv(plan, g, q, k, v, scale, out, sinks)
     return out
 
 
@@ -190,9 +199,17 @@ def attend_latent(
 
 
 def _softmax_pv(
-    plan: CpuAttentionPlan, g: UnitGroup, q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor
+    plan: CpuAttentionPlan,
+    g: UnitGroup,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    out: Tensor,
+    sinks: Tensor | None = None,
 ) -> None:
-    """One group's rows of ``out``: q [T, Hq, D], k [I, Hk, D, keys], v [I, Hk, NB, KB, Dv]."""
+    """One group's rows of ``out``: q [T, Hq, D], k [I, Hk, D, keys], v [I, Hk, NB, KB, Dv];
+    ``sinks`` [Hq] or None."""
     num_q_heads, head_dim = q.shape[1:]
     hk, rep = plan.num_kv_heads, plan.group_size
     units, r = g.rows.shape
@@ -205,30 +222,53 @@ def _softmax_pv(
     # here, and exp(-inf) and denormal results take slow paths (12x and 170x measured).
     # Hidden scores become -1e30 (the max stays a visible score, exactly), exponents
     # are clamped to >= -87 (exp stays a normal float) and hidden p are zeroed exactly.
+    # Each unit row's sink logit, [1, Hk, M, 1] in the rows' (row, head in group) order.
+    sink = None
+    if sinks is not None:
+        sink = sinks.view(1, hk, 1, rep).expand(1, hk, r, rep).reshape(1, hk, m, 1)
     if g.num_blocks < LONG_BLOCKS:
-        o = _short(g, qg, k, v, scale)
+        o = _short(g, qg, k, v, scale, sink)
     else:
-        o = _long(plan, g, qg, k, v, scale)
+        o = _long(plan, g, qg, k, v, scale, sink)
     o = o.view(units, hk, r, rep, v_dim).permute(0, 2, 1, 3, 4)
     out[g.dst] = o.reshape(units * r, num_q_heads, v_dim)[g.src]
 
 
-def _short(g: UnitGroup, qg: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def _short(
+    g: UnitGroup, qg: Tensor, k: Tensor, v: Tensor, scale: float, sink: Tensor | None
+) -> Tensor:
     """A group of few keys in one pass, on tensors of its own -> [I, Hk, M, Dv]."""
     units, hk, m, _ = qg.shape
     tail = g.tail * KEY_BLOCK
     s = torch.matmul(qg, k)
     s.mul_(scale)
     s[..., tail:].add_(g.bias)
-    s.sub_(s.amax(-1, keepdim=True)).clamp_(min=_MIN_EXPONENT).exp_()
+    peak = _with_sink(s.amax(-1, keepdim=True), sink)
+    s.sub_(peak).clamp_(min=_MIN_EXPONENT).exp_()
     s[..., tail:].mul_(g.visible)
     p = s.view(units, hk, m, g.num_blocks, KEY_BLOCK)
-    denom = tree_sum_(p.sum(-1), 3)
+    denom = _sink_denominator(tree_sum_(p.sum(-1), 3), peak, sink)
     return tree_sum_(torch.matmul(p.transpose(2, 3), v), 2) / denom.unsqueeze(-1)
 
 
+def _with_sink(peak: Tensor, sink: Tensor | None) -> Tensor:
+    """A row's softmax max over its scores and its sink logit (exact, in any order)."""
+    return peak if sink is None else torch.maximum(peak, sink)
+
+
+def _sink_denominator(denom: Tensor, peak: Tensor, sink: Tensor | None) -> Tensor:
+    """[I, Hk, M] sums of the visible keys' weights, plus the sink's exp(sink - max)."""
+    return denom if sink is None else denom + (sink - peak).exp_().squeeze(-1)
+
+
 def _long(
-    plan: CpuAttentionPlan, g: UnitGroup, qg: Tensor, k: Tensor, v: Tensor, scale: float
+    plan: CpuAttentionPlan,
+    g: UnitGroup,
+    qg: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    sink: Tensor | None,
 ) -> Tensor:
     """A group of many keys a key chunk at a time, in the backend's buffers (see the design
     notes) -> [I, Hk, M, Dv]."""
@@ -248,6 +288,7 @@ def _long(
         top = s.amax(-1, keepdim=True)
         peak = top if peak is None else torch.maximum(peak, top, out=peak)
         views.append(s)
+    peak = _with_sink(peak, sink)
     sums = plan.buffer("sums", (units, hk, m, nb), qg)
     blocks = plan.buffer("pv", (units, hk, nb, m, v.shape[-1]), qg)
     strided = units * hk <= STRIDED_MATMULS
@@ -265,7 +306,8 @@ def _long(
                     torch.bmm(p[i, h].transpose(0, 1), v[i, h, b0:b1], out=blocks[i, h, b0:b1])
         else:
             blocks[:, :, b0:b1] = torch.matmul(p.transpose(2, 3), v[:, :, b0:b1])
-    return tree_sum_(blocks, 2) / tree_sum_(sums, 3).unsqueeze(-1)
+    denom = _sink_denominator(tree_sum_(sums, 3), peak, sink)
+    return tree_sum_(blocks, 2) / denom.unsqueeze(-1)
 
 
 def _key_chunks(rows: int, num_blocks: int) -> list[tuple[int, int]]:

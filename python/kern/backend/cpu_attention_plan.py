@@ -6,7 +6,7 @@ batch-invariance rules it serves are kern.backend.cpu_attention's design notes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -43,6 +43,7 @@ class UnitGroup:
     dst: Tensor  # [n] int64: the q row each real unit row is
     pages: Tensor  # [I * NP] int64: each unit's pages, in order (latent pages' rows)
     num_blocks: int
+    q_pos: Tensor  # [I, R] int64: each unit row's position (a windowed layer's masks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,20 @@ class CpuAttentionPlan:
     # Gathers, scores, block sums and block outputs: buffers reused by every group and layer,
     # and by later steps when the backend hands the plan its own dict (see the design notes).
     scratch: dict = field(default_factory=dict)
+    # Window -> the groups with that sliding window's masks, made by the first layer that asks.
+    windowed: dict = field(default_factory=dict)
+
+    def groups_for(self, window: int) -> tuple[UnitGroup, ...]:
+        """The groups as a layer with a sliding ``window`` (0: none) sees them: a row at
+        position p sees keys p - window + 1 .. p, the earlier ones masked like later ones."""
+        if not window:
+            return self.groups
+        kept = self.windowed.get(window)
+        if kept is None:
+            kept = self.windowed[window] = tuple(
+                _windowed(g, window, self.group_size) for g in self.groups
+            )
+        return kept
 
     def buffer(self, name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         """A contiguous ``shape`` view of the ``name`` buffer (contents undefined). One
@@ -204,7 +219,20 @@ def _group(
         dst,
         pages.flatten(),
         num_blocks,
+        q_pos,
     )
+
+
+def _windowed(g: UnitGroup, window: int, group_size: int) -> UnitGroup:
+    """``g`` with a sliding window's masks; the masks then start at block 0 once some row
+    is past its first ``window`` keys."""
+    if int(g.q_pos.max()) < window:
+        return g
+    k_pos = torch.arange(g.num_blocks * KEY_BLOCK)
+    q_pos = g.q_pos[:, :, None]
+    hidden = (k_pos[None, None, :] > q_pos) | (k_pos[None, None, :] <= q_pos - window)
+    hidden = hidden.repeat_interleave(group_size, dim=1).unsqueeze(1)
+    return replace(g, tail=0, bias=hidden.float() * _HIDDEN, visible=(~hidden).float())
 
 
 def _tail_block(first_pos: int, num_blocks: int) -> int:

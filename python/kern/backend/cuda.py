@@ -193,13 +193,22 @@ class CudaOps:
             tiles=tiles(starts, group, dev) if tiles is not None else None,
         )
 
-    def attention(self, step: Step, q: Tensor, kv_cache: Tensor, scale: float) -> Tensor:
+    def attention(
+        self,
+        step: Step,
+        q: Tensor,
+        kv_cache: Tensor,
+        scale: float,
+        sinks: Tensor | None = None,
+        window: int = 0,
+    ) -> Tensor:
         p = step.attention
         k_cache, v_cache = self.kv_views(kv_cache)
         args = (q, k_cache, v_cache, p.block_tables, p.seq_lens, p.query_start_loc, scale)
+        extra: dict = {} if sinks is None and not window else {"sinks": sinks, "window": window}
         if p.tiles is None:
-            return self._attn.paged_attention(*args)
-        return self._attn.paged_attention(*args, tiles=p.tiles)
+            return self._attn.paged_attention(*args, **extra)
+        return self._attn.paged_attention(*args, tiles=p.tiles, **extra)
 
     def plan_latent_attention(self, step: Step, kv_arena: Tensor, num_heads: int):
         dev = self.device

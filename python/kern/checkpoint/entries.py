@@ -11,13 +11,16 @@ Design notes
   nibble) and 2j + 1 (high nibble) as e2m1 values, with one scale per 32 inputs of a row,
   as transformers' ``Fp8Dequantize`` unpacks them. Their entry's ``shape`` is the unpacked
   one, so the shape checks compare it with the model's.
+* gpt-oss's MXFP4 experts: the same e2m1 pairs and e8m0 scales, stored ``U8`` and fused
+  ([experts, out, in / 32, 16] blocks, [experts, out, in / 32] scales); each expert is a
+  piece of both (``Entry.piece``), read and dequantised on its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from kern.models.config import ModelConfig
 
 __all__ = [
+    "read_stored",
     "FLOAT_DTYPES",
     "FP4",
     "FP8",
@@ -53,6 +57,7 @@ SCALE_DTYPES = {**FLOAT_DTYPES, "F8_E8M0": 1, "U8": 1}
 # DeepSeek-V4's FP4 experts: int8 bytes, each two e2m1 values (low nibble first), with one
 # scale per FP4_GROUP inputs.
 FP4 = "I8"
+FP4_BYTES = (FP4, "U8")  # gpt-oss's MXFP4 blocks are U8
 FP4_GROUP = 32
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_VALUES += tuple(-v for v in FP4_VALUES)  # the nibble's high bit is the sign
@@ -68,17 +73,30 @@ class Entry:
     scale: Entry | None = None  # an FP8 / FP4 weight's block scales (weight_scale_inv)
     block: tuple[int, ...] = ()  # and the block they scale (FP4: shape is the unpacked one)
     # A piece of a fused stored tensor: (index on dim 0, first row, end row); shape is the
-    # piece's.
+    # piece's (its trailing dims flattened to one; reversed when ``transposed``).
     piece: tuple[int, int, int] | None = None
+    transposed: bool = False  # the piece is stored [in, out] (gpt-oss's fused experts)
+
+
+def read_stored(f: Any, entry: Entry) -> torch.Tensor:
+    """``entry``'s stored tensor from the open file ``f``: whole, or only its piece's rows
+    (as ``entry.shape`` says: trailing dims flattened, transposed if stored so)."""
+    if entry.piece is None:
+        return f.get_tensor(entry.stored_name)
+    index, start, stop = entry.piece
+    t = f.get_slice(entry.stored_name)[index : index + 1, start:stop][0]
+    if t.dim() > 2:
+        t = t.reshape(t.shape[0], -1)
+    return t.t().contiguous() if entry.transposed else t
 
 
 def dequantize(weight: torch.Tensor, entry: Entry) -> torch.Tensor:
     """A block-scaled FP8 (or FP4) weight in float32: each (b0 x b1) block times its scale."""
     assert entry.scale is not None
     with safe_open(str(entry.scale.file), framework="pt", device=str(weight.device)) as f:
-        s = f.get_tensor(entry.scale.stored_name)
+        s = read_stored(f, entry.scale)
     s = (s.float() - 127.0).exp2() if s.dtype == torch.uint8 else s.float()
-    if entry.dtype == FP4:
+    if entry.dtype in FP4_BYTES:
         values = torch.tensor(FP4_VALUES, dtype=torch.float32, device=weight.device)
         u8 = weight.contiguous().view(torch.uint8).long()
         # Byte j holds inputs 2j (low nibble) and 2j + 1 (high nibble).
@@ -91,7 +109,7 @@ def dequantize(weight: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 def num_bytes(entry: Entry) -> int:
     scale = num_bytes(entry.scale) if entry.scale else 0
-    if entry.dtype == FP4 and entry.scale is not None:
+    if entry.dtype in FP4_BYTES and entry.scale is not None:
         return num_bytes_of(1, entry.shape) // 2 + scale
     if entry.dtype == FP8:
         return num_bytes_of(1, entry.shape) + scale
@@ -113,12 +131,12 @@ def pair_scales(config: ModelConfig, entries: dict[str, Entry]) -> dict[str, Ent
     for name, entry in entries.items():
         if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in entries:
             continue
-        fp4 = entry.dtype == FP4 and fp4_weight(config, name)
+        fp4 = entry.dtype in FP4_BYTES and fp4_weight(config, name)
         if entry.dtype != FP8 and not fp4:
             out[name] = entry
             continue
         where = f"{entry.file}: tensor {entry.stored_name!r}"
-        if not config.fp8_block:
+        if not config.fp8_block and not fp4:
             raise TensorError(
                 f"{where} is {entry.dtype}, but config.json has no fp8 quantization_config "
                 "with a weight_block_size"
@@ -141,5 +159,5 @@ def pair_scales(config: ModelConfig, entries: dict[str, Entry]) -> dict[str, Ent
                 f"({scale.dtype}), expected float scales of shape {list(want)} (or e8m0) for "
                 f"{list(shape)} in {b0} x {b1} blocks"
             )
-        out[name] = Entry(entry.file, entry.stored_name, shape, entry.dtype, scale, (b0, b1))
+        out[name] = replace(entry, shape=shape, scale=scale, block=(b0, b1))
     return out

@@ -29,6 +29,7 @@ Design notes
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -48,6 +49,7 @@ from kern.checkpoint.entries import Entry as _Entry
 from kern.checkpoint.entries import dequantize as _dequantize
 from kern.checkpoint.entries import num_bytes as _num_bytes
 from kern.checkpoint.entries import pair_scales as _pair_scales
+from kern.checkpoint.entries import read_stored as _read_stored
 from kern.checkpoint.errors import (
     CheckpointError,
     MissingFileError,
@@ -206,11 +208,10 @@ def read_tensors(
 
 
 def _whole(f: Any, entry: _Entry) -> torch.Tensor:
-    """A quantised tensor dequantised, or a fused tensor's piece (only its rows are read)."""
-    if entry.piece is not None:
-        index, start, stop = entry.piece
-        return f.get_slice(entry.stored_name)[index : index + 1, start:stop][0]
-    return _dequantize(f.get_tensor(entry.stored_name), entry)
+    """A fused tensor's piece (only its rows are read), a quantised tensor dequantised, or
+    both (gpt-oss's MXFP4 experts)."""
+    t = _read_stored(f, entry)
+    return t if entry.scale is None else _dequantize(t, entry)
 
 
 def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, Path | None]:
@@ -302,10 +303,13 @@ def _pieces(config: ModelConfig, name: str, entry: _Entry) -> list[tuple[str, _E
             f"{entry.file}: tensor {entry.stored_name!r} has shape {list(entry.shape)}, "
             f"expected {list(want)} from config.json"
         )
+    rest = entry.shape[2:]
     out = []
-    for piece_name, (index, start, stop) in pieces:
-        shape = (stop - start, *entry.shape[2:])
-        out.append((piece_name, replace(entry, shape=shape, piece=(index, start, stop))))
+    for piece_name, (index, start, stop, *transposed) in pieces:
+        shape = (stop - start, math.prod(rest)) if len(rest) > 1 else (stop - start, *rest)
+        flip = bool(transposed and transposed[0])
+        piece = replace(entry, shape=shape[::-1] if flip else shape, piece=(index, start, stop))
+        out.append((piece_name, replace(piece, transposed=flip)))
     return out
 
 

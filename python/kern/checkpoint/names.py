@@ -75,8 +75,9 @@ def fp4_weight(config: ModelConfig, name: str) -> bool:
 
 def split_stored(
     config: ModelConfig, name: str
-) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, int, int]]]] | None:
+) -> tuple[tuple[int, ...], list[tuple[str, tuple]]] | None:
     """For a stored tensor that holds several of kern's (``name``: its canonical name; a
     release's fused experts): the shape it must have and each piece's name with (index on
-    dim 0, first row, end row); None for a tensor that is one of kern's."""
+    dim 0, first row, end row[, transposed]); None for a tensor that is one of kern's. A
+    piece's trailing dims are read as one; ``transposed``: it is stored [in, out]."""
     return registry.of(config).split_stored(config, name)

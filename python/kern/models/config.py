@@ -273,7 +273,7 @@ def read_rope(f: Fields, *, yarn_ok: bool = False, partial: float | None = None)
     if rope_type == "yarn" and yarn_ok:
         scaling = yarn(f, params)
     elif rope_type != "default":
-        supported = "'default' and, for deepseek_v3, 'yarn'"
+        supported = "'default' and, for deepseek_v3 and gpt_oss, 'yarn'"
         raise UnsupportedModelError(
             f"{where}: rope_type {rope_type!r} is not supported (kern implements {supported})"
         )

@@ -27,6 +27,7 @@ from kern.models.deepseek_v3 import config as deepseek_v3
 from kern.models.deepseek_v3 import tensors as deepseek_v3_tensors
 from kern.models.deepseek_v4 import config as deepseek_v4
 from kern.models.deepseek_v4 import tensors as deepseek_v4_tensors
+from kern.models.gpt_oss import config as gpt_oss
 from kern.models.kimi_linear import config as kimi_linear
 from kern.models.kimi_linear import tensors as kimi_linear_tensors
 from kern.models.qwen3 import config as qwen3
@@ -189,6 +190,19 @@ FAMILIES: tuple[Family, ...] = (
         model="kern.models.qwen3_5_moe.model:Qwen3_5Moe",
         pages="kern.models.pages:KvPages",
         tiny="kern.models.qwen3_5_moe.tiny",
+        parallel={"ep": EXPERTS_ONLY},
+    ),
+    Family(
+        "gpt_oss",
+        model_types=("gpt_oss",),
+        read_config=gpt_oss.read_config,
+        tensor_shapes=gpt_oss.tensor_shapes,
+        canonical_name=gpt_oss.canonical_name,
+        fp4_weight=gpt_oss.fp4_weight,
+        split_stored=gpt_oss.split_stored,
+        model="kern.models.gpt_oss.model:GptOss",
+        pages="kern.models.pages:KvPages",
+        tiny="kern.models.gpt_oss.tiny",
         parallel={"ep": EXPERTS_ONLY},
     ),
     Family(

@@ -110,6 +110,8 @@ def make_tiny(
     tensors = _weights(config, seed, storage_dtype)
     if fp8:
         tensors = writer.quantize(tensors, FP8_BLOCK)
+    if hasattr(writer, "fuse"):  # a family whose files store its experts fused (gpt_oss)
+        tensors = writer.fuse(config, tensors)
     tensors = {stored_name(config, k): t for k, t in tensors.items()}
     _write_weights(out, tensors, shards)
     _write_json(out / "config.json", config_json)

@@ -122,6 +122,7 @@ def paged_attention_kernel(
     query_start_loc,
     tile_seq,
     tile_start,
+    sinks,
     scale,
     stride_qt,
     stride_qh,
@@ -140,6 +141,8 @@ def paged_attention_kernel(
     BT: tl.constexpr,
     BM: tl.constexpr,
     BD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     i_tile, i_hk = tl.program_id(0), tl.program_id(1)
     i_b = tl.load(tile_seq + i_tile).to(tl.int64)
@@ -160,12 +163,25 @@ def paged_attention_kernel(
     p_q += r_head[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0)
 
-    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BM], dtype=tl.float32)
+    if HAS_SINKS:
+        # the sink opens the softmax: m = sink, l = exp(0) = 1, nothing added to acc
+        b_m = tl.load(sinks + r_head).to(tl.float32)
+        b_l = tl.full([BM], 1.0, dtype=tl.float32)
+    elif WINDOW > 0:
+        # a windowed row may meet whole hidden pages first: m starts finite (no 0/0)
+        b_m = tl.full([BM], -1e30, dtype=tl.float32)
+        b_l = tl.zeros([BM], dtype=tl.float32)
+    else:
+        b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+        b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
     last_pos = first_pos + tl.minimum(t0 + BT, q_len) - 1
     o_n = tl.arange(0, PAGE)
-    for i_p in range(0, last_pos // PAGE + 1):
+    first_page = 0
+    if WINDOW > 0:
+        # pages before the tile's first row's window are hidden from every row: exact no-ops
+        first_page = tl.maximum(first_pos + t0 - WINDOW + 1, 0) // PAGE
+    for i_p in range(first_page, last_pos // PAGE + 1):
         i_page = tl.load(block_tables + i_b * stride_bt + i_p).to(tl.int64)
         k_pos = i_p * PAGE + o_n
         m_key = k_pos < seq_len
@@ -176,8 +192,10 @@ def paged_attention_kernel(
         b_v = tl.load(p_v + o_d[None, :], mask=m_kd, other=0.0)
         b_s = dot(b_q, tl.trans(b_k)) * scale
         m_vis = (k_pos[None, :] <= r_pos[:, None]) & m_key[None, :]
+        if WINDOW > 0:
+            m_vis = m_vis & (k_pos[None, :] > r_pos[:, None] - WINDOW)
         b_s = tl.where(m_vis, b_s, float("-inf"))
-        # every row sees key 0 in page 0, so b_m_new is finite from the first page on
+        # every row sees key 0 in page 0 (or m starts finite), so b_m_new is finite
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
         b_alpha = tl.exp(b_m - b_m_new)
         b_p = tl.exp(b_s - b_m_new[:, None])
@@ -219,13 +237,16 @@ def paged_attention(
     query_start_loc: Tensor,
     scale: float,
     tiles: tuple[Tensor, Tensor] | None = None,
+    *,
+    sinks: Tensor | None = None,
+    window: int = 0,
 ) -> Tensor:
     """See `reference.paged_attention`. Pure: returns a new [T, Hq, D] tensor in q.dtype.
 
     page_tokens must be a power of two; the caches' last dim must be contiguous. ``tiles``
     is `attention_tiles` of the same query_start_loc, made once per step by a caller that
     calls this for every layer; without it each call reads query_start_loc back to the host
-    (a device synchronisation per layer).
+    (a device synchronisation per layer). ``sinks`` and ``window``: see the reference.
     """
     check_device(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check_cache(k_cache, v_cache)
@@ -255,6 +276,7 @@ def paged_attention(
         query_start_loc,
         tile_seq_t,
         tile_start_t,
+        sinks.float().contiguous() if sinks is not None else q,
         scale,
         q.stride(0),
         q.stride(1),
@@ -269,5 +291,7 @@ def paged_attention(
         BT=tokens_per_tile,
         BM=BLOCK_M,
         BD=block(head_dim),
+        HAS_SINKS=sinks is not None,
+        WINDOW=window,
     )
     return o

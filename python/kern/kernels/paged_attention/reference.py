@@ -28,6 +28,7 @@ from kern.arith import cdiv
 
 Q_BLOCK = 16  # query rows per matmul tile; fixed so every matmul has one shape
 KV_BLOCK = 64  # keys per online-softmax step, in absolute positions of the sequence
+_HIDDEN = -1e30  # a windowed row's starting max: below any score, and finite
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -73,6 +74,8 @@ def paged_attention(
     *,
     q_block: int = Q_BLOCK,
     kv_block: int = KV_BLOCK,
+    sinks: Tensor | None = None,
+    window: int = 0,
 ) -> Tensor:
     """Causal attention of each sequence's last q_len positions over its paged KV. Pure.
 
@@ -84,6 +87,11 @@ def paged_attention(
 
     q_block and kv_block (keyword-only) are the tile sizes of the invariance guarantee: a
     row's bits are fixed for a fixed pair; changing either changes rounding.
+
+    ``sinks`` ([Hq] float, gpt-oss's): a learned logit per query head that joins each row's
+    softmax denominator and adds no value. ``window`` > 0: a row at position p sees only keys
+    at p - window + 1 .. p (a sliding-window layer); blocks before a tile's window are still
+    folded, as exact no-ops, so a row's bits do not depend on its place in the tile.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // k_cache.shape[2]
@@ -104,18 +112,29 @@ def paged_attention(
             q_tile = torch.zeros(num_q_heads, q_block, head_dim, device=q.device)
             q_tile[:, :rows] = q[q_start + t0 : q_start + t0 + rows].float().transpose(0, 1)
             q_pos = first_pos + t0 + torch.arange(q_block, device=q.device)  # [q_block]
-            m = torch.full((num_q_heads, q_block, 1), float("-inf"), device=q.device)
-            denom = torch.zeros(num_q_heads, q_block, 1, device=q.device)
+            # The sink opens the softmax (m = sink, denominator exp(0) = 1); without one, a
+            # windowed row may meet whole hidden blocks first, so m starts finite there.
+            if sinks is not None:
+                m = sinks.float().view(num_q_heads, 1, 1).expand(-1, q_block, 1).to(q.device)
+                denom = torch.ones(num_q_heads, q_block, 1, device=q.device)
+            else:
+                start = _HIDDEN if window else float("-inf")
+                m = torch.full((num_q_heads, q_block, 1), start, device=q.device)
+                denom = torch.zeros(num_q_heads, q_block, 1, device=q.device)
             acc = torch.zeros(num_q_heads, q_block, head_dim, device=q.device)
             # Keys up to the last real row's position; later blocks are masked for all rows.
             last_pos = first_pos + t0 + rows - 1
-            for i_blk in range(last_pos // kv_block + 1):
+            # Blocks before the tile's first row's window are hidden from every row: no-ops.
+            first_blk = max(first_pos + t0 - window + 1, 0) // kv_block if window else 0
+            for i_blk in range(first_blk, last_pos // kv_block + 1):
                 k_pos = i_blk * kv_block + torch.arange(kv_block, device=q.device)
                 visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+                if window:
+                    visible &= k_pos[None, :] > q_pos[:, None] - window
                 s = torch.matmul(q_tile, k_blocks[i_blk].transpose(1, 2)) * scale
                 s = torch.where(visible, s, float("-inf"))
                 m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-                # Every row sees key 0 in block 0, so m_new is finite from the first block on.
+                # Every row sees key 0 in block 0 (or m starts finite), so m_new is finite.
                 alpha = torch.exp(m - m_new)
                 p = torch.exp(s - m_new)
                 denom = denom * alpha + p.sum(-1, keepdim=True)

@@ -56,6 +56,9 @@ class SparseMoE:
         self.act = ops.silu_and_mul  # an expert's activation on its gate | up columns
         self.w_gate_up: dict[int, Any] = {}
         self.w_down: dict[int, Any] = {}
+        # Per-expert biases (gpt-oss's); Qwen's and DeepSeek's experts have none.
+        self.b_gate_up: dict[int, Tensor] = {}
+        self.b_down: dict[int, Tensor] = {}
         for e in range(self.num_experts):
             p = f"{prefix}experts.{e}."
             if p + "gate_proj.weight" not in t:
@@ -90,8 +93,9 @@ class SparseMoE:
         start = 0
         for e, count in enumerate(counts):
             if count and e in self.w_down:
-                h = self.act(ops.linear(xs[start : start + count], self.w_gate_up[e]))
-                ys[start : start + count] = ops.linear(h, self.w_down[e])
+                rows = xs[start : start + count]
+                h = self.act(ops.linear(rows, self.w_gate_up[e], self.b_gate_up.get(e)))
+                ys[start : start + count] = ops.linear(h, self.w_down[e], self.b_down.get(e))
             start += count
         y = torch.empty_like(ys)
         y[order] = ys
