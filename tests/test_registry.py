@@ -39,7 +39,7 @@ def test_capabilities_use_known_values():
         assert set(family.parallel.values()) <= splits
     assert registry.splitting("tp") == ("qwen3", "qwen3_5", "qwen3_moe")
     assert registry.with_mtp() == ("deepseek_v3",)
-    assert registry.with_fp4() == ("deepseek_v4",)
+    assert registry.with_fp4() == ("gpt_oss", "deepseek_v4")
 
 
 @pytest.mark.parametrize("name", registry.NAMES)

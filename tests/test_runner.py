@@ -390,6 +390,7 @@ FAMILIES = [
     "qwen3_5",
     "qwen3_next",
     "qwen3_5_moe",
+    "gpt_oss",
     "deepseek_v3",
     "kimi_linear",
     "deepseek_v4",
