@@ -179,6 +179,11 @@ def _dense_with_sinks(batch, page, hk, rep, q, cache, scale, sinks, window):
     return torch.cat(out)
 
 
+def _attend_with_sinks(batch, page, hk, rep, d, q, cache, sinks, window):
+    plan = _plan(*batch[:3], page, hk, rep, d, cache)
+    return attention.attend(plan, q, cache, 0.11, sinks, window)
+
+
 @pytest.mark.parametrize("plain", list(PLAIN))
 def test_sinks_and_a_window_match_the_oracle_and_keep_the_fast_paths_bits(monkeypatch, plain):
     """gpt-oss's attention on the CPU: close to the plain softmax with a sink column, and the
@@ -195,11 +200,8 @@ def test_sinks_and_a_window_match_the_oracle_and_keep_the_fast_paths_bits(monkey
         cache = torch.randn(batch[3], 2, hk, page, d, generator=gen)
         sinks = torch.randn(hk * rep, generator=gen) * 3
 
-        def run():
-            plan = _plan(*batch[:3], page, hk, rep, d, cache)
-            return attention.attend(plan, q, cache, 0.11, sinks, window)
-
-        fast = run()
+        args = (batch, page, hk, rep, d, q, cache, sinks, window)
+        fast = _attend_with_sinks(*args)
         want = _dense_with_sinks(batch, page, hk, rep, q, cache, 0.11, sinks, window)
         torch.testing.assert_close(fast, want, rtol=1e-4, atol=1e-5)
         with monkeypatch.context() as m:
@@ -207,5 +209,5 @@ def test_sinks_and_a_window_match_the_oracle_and_keep_the_fast_paths_bits(monkey
                 m.setattr(planning, "_tail_block", lambda first_pos, num_blocks: 0)
             else:
                 m.setattr(attention, *PLAIN[plain])
-            slow = run()
+            slow = _attend_with_sinks(*args)
         assert torch.equal(_bits(fast), _bits(slow)), (plain, page, hk, rep, window, batch[:2])

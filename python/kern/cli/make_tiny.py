@@ -22,12 +22,13 @@ _SIZE_FLAGS = {
     "--heads": ("heads", "attention heads"),
     "--kv-heads": ("kv_heads", "key/value heads"),
     "--head-dim": ("head_dim", "dims per attention head"),
-    "--intermediate": ("intermediate", "dense MLP width"),
+    "--intermediate": ("intermediate", "dense MLP width (gpt_oss: each expert's)"),
+    "--sliding-window": ("sliding_window", "gpt_oss: keys a sliding layer sees"),
     "--vocab": ("vocab", "vocabulary size (tokenizer and embedding)"),
     "--experts": (
         "experts",
-        "the MoE families (qwen3_moe, qwen3_next, qwen3_5_moe, deepseek_v3/v4, kimi_linear): "
-        "routed experts per layer",
+        "the MoE families (qwen3_moe, qwen3_next, qwen3_5_moe, gpt_oss, deepseek_v3/v4, "
+        "kimi_linear): routed experts per layer",
     ),
     "--experts-per-tok": (
         "experts_per_tok",
@@ -115,14 +116,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         metavar="F",
         help="deepseek_v3 (v4: its compressed layers): YaRN RoPE scaling by F over an "
-        "original context of 64",
+        "original context of 64; gpt_oss: over 4,096 (default 32; 0: plain RoPE)",
     )
     p.add_argument(
         "--fp8",
         action="store_true",
         help="deepseek_v3: store projections as block-scaled FP8 (weight_scale_inv); "
         "deepseek_v4: write the release's format (its names, FP8 projections with e8m0 "
-        "scales, FP4 routed experts)",
+        "scales, FP4 routed experts); gpt_oss: the release's MXFP4 experts (blocks and "
+        "scales)",
     )
     p.add_argument(
         "--no-norm-topk-prob",

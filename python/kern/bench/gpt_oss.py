@@ -1,0 +1,105 @@
+"""gpt-oss: ``python -m kern.bench.gpt_oss``.
+
+1. Bytes at the released dims (gpt-oss-20b and gpt-oss-120b, their config.json values): the
+   KV pages' bytes a token (``Layout.of``, bf16) against its formula, and what a sequence of
+   128k tokens holds today, where every layer keeps every token, beside what it would hold
+   with the sliding layers' pages outside their window given back (not yet done: their pages
+   are shared with the full layers'); and the experts' weights as loaded (MXFP4 dequantised to
+   bf16) beside the release's MXFP4 bytes.
+2. CPU prefill and decode of the tiny config (``make-tiny gpt_oss``, seed 0, bf16 experts)
+   against transformers in the same run, float32, best of ``--repeat``, the greedy answers
+   compared first (``kern.bench.kimi.speed_rows``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kern.bench.kimi import speed_rows
+from kern.checkpoint.config import parse_config
+from kern.engine.layout import Layout
+
+__all__ = ["RELEASED", "bytes_rows", "main"]
+
+_COMMON = {
+    "model_type": "gpt_oss",
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "sliding_window": 128,
+    "num_experts_per_tok": 4,
+}
+RELEASED = {
+    "gpt-oss-20b": {**_COMMON, "num_hidden_layers": 24, "num_local_experts": 32},
+    "gpt-oss-120b": {**_COMMON, "num_hidden_layers": 36, "num_local_experts": 128},
+}
+_CONTEXT = 131072
+
+
+def bytes_rows() -> list[str]:
+    rows = [
+        "| model | KV pages a token | formula | 128k tokens today | 128k, windows given back "
+        "| experts as loaded (bf16) | experts in the release (MXFP4) |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, raw in RELEASED.items():
+        c = parse_config(raw)
+        layout = Layout.of(c, torch.bfloat16, 1)
+        n, hk, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        per_layer = 2 * hk * d * 2
+        assert layout.page_bytes == n * per_layer
+        sliding = c.layer_types.count("sliding_attention")
+        window = c.family_fields.sliding_window
+        today = _CONTEXT * layout.page_bytes
+        released = _CONTEXT * (n - sliding) * per_layer + sliding * window * per_layer
+        e = c.experts
+        assert e is not None
+        weights = n * e.num_experts * 3 * c.hidden_size * e.moe_intermediate_size
+        # MXFP4: half a byte a weight and one e8m0 byte a 32 (biases are bf16 either way).
+        mxfp4 = weights // 2 + weights // 32
+        rows.append(
+            f"| {name} | {layout.page_bytes:,} | {n} layers x 2 x {hk} x {d} x 2 | "
+            f"{today / 2**30:.2f} GiB | {released / 2**30:.2f} GiB | "
+            f"{2 * weights / 2**30:.1f} GiB | {mxfp4 / 2**30:.1f} GiB |"
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m kern.bench.gpt_oss", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--steps", type=int, default=64, help="greedy tokens (default 64)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(
+        f"kern.bench.gpt_oss: torch {torch.__version__}, {args.threads} threads, load average "
+        f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n"
+    )
+    print("## Bytes at the released dims (bf16 pages)\n")
+    print("\n".join(bytes_rows()))
+    from kern.tiny import make_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny("gpt_oss", Path(tmp) / "gpt_oss", seed=0)
+        print(
+            f"\n## CPU, make-tiny gpt_oss (seed 0), against transformers "
+            f"(float32, best of {args.repeat})\n"
+        )
+        print("\n".join(speed_rows(model, args.prompt, args.steps, args.repeat)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
