@@ -133,7 +133,9 @@ def test_what_does_not_split_is_refused_by_name(tiny):
     c = tiny("qwen3").config
     with pytest.raises(ShardError, match="does not divide the model's num_attention_heads"):
         Shard(0, 3, "tp").check(c)
-    ep_families = "qwen3_moe, qwen3_next, qwen3_5_moe, gpt_oss, deepseek_v3, kimi_linear, deepseek_v4"
+    ep_families = (
+        "qwen3_moe, qwen3_next, qwen3_5_moe, gpt_oss, deepseek_v3, kimi_linear, deepseek_v4"
+    )
     with pytest.raises(ShardError, match=f"'ep' is implemented for {ep_families}, not qwen3"):
         Shard(0, 2, "ep").check(c)
     with pytest.raises(ShardError, match=f"'ep' is implemented for {ep_families}, not qwen3_5"):

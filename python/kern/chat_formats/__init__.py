@@ -3,7 +3,7 @@
 that kern.toml's checks, ``kern serve``'s flags, the server's splitter
 (kern.server.splitter) and the engine's grammars (kern.engine.structured) read.
 
-Nothing outside this package names a format: a new one (Kimi K3's, gpt-oss's harmony) is a
+Nothing outside this package names a format: a new one (Kimi K3's, say) is a
 module with its object and a line in :data:`FORMATS`. Torch-free, and it imports nothing else of
 kern.
 """
@@ -11,6 +11,7 @@ kern.
 from __future__ import annotations
 
 from kern.chat_formats.base import ChatFormat, Reasoning, ToolCall, json_format
+from kern.chat_formats.harmony import HARMONY
 from kern.chat_formats.kimi_k2 import KIMI_K2
 from kern.chat_formats.qwen3 import QWEN3
 
@@ -27,7 +28,7 @@ __all__ = [
 ]
 
 # Name -> format; the first is tool_parser's default.
-FORMATS: dict[str, ChatFormat] = {f.name: f for f in (QWEN3, KIMI_K2)}
+FORMATS: dict[str, ChatFormat] = {f.name: f for f in (QWEN3, KIMI_K2, HARMONY)}
 DEFAULT = next(iter(FORMATS.values()))
 # kern.toml's tool_parser values (the convention chat answers' tool calls are written in), the
 # first the default; and its reasoning_parser values, the formats with a reasoning block.

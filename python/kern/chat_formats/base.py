@@ -79,6 +79,9 @@ class ChatFormat(ABC):
     # (kern.engine.tool_calls). False where calls sit inside a section: auto then keeps the
     # whole structural tag.
     calls_lazy: ClassVar[bool] = False
+    # The whole answer is a run of the format's messages (harmony): the server reads it with
+    # the format's own parser and renders the prompt itself, not with the checkpoint's template.
+    messages: ClassVar[bool] = False
 
     @abstractmethod
     def parse(self, text: str) -> list[ToolCall] | None:

@@ -2,8 +2,10 @@
 
 Design notes
 ------------
-* A folder without ``tokenizer.json`` but with Kimi's ``tiktoken.model`` is converted to the
-  same kind of backend in memory (:mod:`kern.tokenizer.tiktoken`); no remote code runs, ever.
+* A folder without ``tokenizer.json`` but with Kimi's ``tiktoken.model``, or gpt-oss's
+  ``o200k_base.tiktoken`` (o200k_harmony: ``<|return|>`` and ``<|call|>`` end a generation), is
+  converted to the same kind of backend in memory (:mod:`kern.tokenizer.tiktoken`); no remote
+  code runs, ever.
 * Encoding never adds special tokens by default. The Qwen families have no BOS and no
   post-processor, and a chat prompt already carries every special token it needs as text
   (``<|im_start|>`` is matched as an added token wherever it appears), so adding them again
@@ -44,8 +46,23 @@ import tokenizers
 from kern.checkpoint.errors import CheckpointError
 from kern.tokenizer.stream import TextStream
 from kern.tokenizer.template import ChatTemplateError, compile_chat_template
-from kern.tokenizer.tiktoken import TIKTOKEN_FILE, missing_tokenizer_error, tiktoken_backend
+from kern.tokenizer.tiktoken import (
+    HARMONY_FILE,
+    TIKTOKEN_FILE,
+    harmony_backend,
+    missing_tokenizer_error,
+    tiktoken_backend,
+)
 from kern.tokenizer.token_bytes import bytes_to_unicode
+
+# gpt-oss's tokenizer_config.json values, for an o200k_base.tiktoken folder without one; and
+# <|call|>, which ends an assistant's tool call.
+_HARMONY_CONFIG = {
+    "bos_token": "<|startoftext|>",
+    "eos_token": "<|return|>",
+    "pad_token": "<|endoftext|>",
+}
+_HARMONY_CALL = 200012
 
 __all__ = ["ChatTemplateError", "TextStream", "Tokenizer", "compile_chat_template"]
 
@@ -129,6 +146,11 @@ class Tokenizer:
                 raise CheckpointError(f"{file}: not a valid tokenizers file: {e}") from e
         elif (path / TIKTOKEN_FILE).is_file():
             backend = tiktoken_backend(path, config)
+        elif (path / HARMONY_FILE).is_file():
+            backend = harmony_backend(path)
+            # gpt-oss's own tokenizer_config says the same; a folder may have none.
+            config = {**_HARMONY_CONFIG, **config}
+            extra_eos_token_ids = (*extra_eos_token_ids, _HARMONY_CALL)
         else:
             raise missing_tokenizer_error(path, config)
         special: dict[str, str] = {}

@@ -50,6 +50,9 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from kern.checkpoint.errors import CheckpointError, MissingFileError, UnsupportedTokenizerError
 
 __all__ = [
+    "HARMONY_FILE",
+    "O200K_PATTERN",
+    "harmony_backend",
     "KIMI_PATTERN",
     "KIMI_TOKENIZER_CLASS",
     "NUM_SPECIAL_IDS",
@@ -84,6 +87,37 @@ KIMI_PATTERN = "|".join(
         r"\s+",
     ]
 )
+
+
+# o200k (openai-harmony's o200k_harmony): the split, then harmony's named special tokens at
+# their ids, every other id up to HARMONY_END a reserved one.
+O200K_PATTERN = "|".join(
+    [
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+HARMONY_FILE = "o200k_base.tiktoken"
+HARMONY_FIRST_SPECIAL = 199998
+HARMONY_END = 201088
+HARMONY_SPECIALS = {
+    199998: "<|startoftext|>",
+    199999: "<|endoftext|>",
+    200002: "<|return|>",
+    200003: "<|constrain|>",
+    200005: "<|channel|>",
+    200006: "<|start|>",
+    200007: "<|end|>",
+    200008: "<|message|>",
+    200012: "<|call|>",
+}
 
 
 def read_ranks(file: Path) -> list[bytes]:
@@ -205,6 +239,25 @@ def missing_tokenizer_error(folder: Path, config: Mapping[str, Any]) -> MissingF
     )
 
 
+def harmony_backend(folder: Path) -> tokenizers.Tokenizer:
+    """gpt-oss's o200k_harmony from a folder's ``o200k_base.tiktoken`` (no tokenizer.json):
+    the o200k ranks with their split pattern and harmony's special tokens at the ids after
+    them, as openai-harmony builds it (its last reserved id, 201088, lies past gpt-oss's
+    embedding of 201,088 rows and is left out, as Kimi's two extra ids are)."""
+    ranks_file = folder / HARMONY_FILE
+    tokens = read_ranks(ranks_file)
+    if len(tokens) != HARMONY_FIRST_SPECIAL:
+        raise CheckpointError(
+            f"{ranks_file}: {len(tokens)} ranks, where o200k_base has {HARMONY_FIRST_SPECIAL} "
+            "(harmony's special tokens take the ids after them)"
+        )
+    specials = [
+        HARMONY_SPECIALS.get(i, f"<|reserved_{i}|>")
+        for i in range(HARMONY_FIRST_SPECIAL, HARMONY_END)
+    ]
+    return kimi_backend(tokens, specials, where=str(ranks_file), pattern=O200K_PATTERN)
+
+
 def tiktoken_backend(folder: Path, config: Mapping[str, Any]) -> tokenizers.Tokenizer:
     """The ``tokenizers.Tokenizer`` of a Kimi folder's ``tiktoken.model`` (no ``tokenizer.json``)
     with ``config``, its parsed ``tokenizer_config.json``.
@@ -232,10 +285,11 @@ def tiktoken_backend(folder: Path, config: Mapping[str, Any]) -> tokenizers.Toke
 
 
 def kimi_backend(
-    tokens: Sequence[bytes], specials: Sequence[str], *, where: str
+    tokens: Sequence[bytes], specials: Sequence[str], *, where: str, pattern: str = KIMI_PATTERN
 ) -> tokenizers.Tokenizer:
-    """A byte-level BPE equal to tiktoken's over ``tokens`` (rank order) with Kimi's split
-    pattern, and ``specials`` as special tokens at the ids after the ranks."""
+    """A byte-level BPE equal to tiktoken's over ``tokens`` (rank order) with the split
+    ``pattern`` (Kimi's by default), and ``specials`` as special tokens at the ids after the
+    ranks."""
     to_char = _byte_chars()
     text = ["".join(to_char[b] for b in t) for t in tokens]
     vocab = {s: r for r, s in enumerate(text)}
@@ -248,7 +302,7 @@ def kimi_backend(
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(KIMI_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
