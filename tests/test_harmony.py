@@ -10,13 +10,11 @@ import shutil
 
 import openai_harmony as h
 import pytest
+from support import harmony_ref
 
 from kern.chat_formats.harmony import HARMONY, HarmonyParser, parse_header
 from kern.chat_formats.harmony_prompt import render
 from kern.tokenizer import Tokenizer
-
-from support import harmony_ref
-
 
 WEATHER = {
     "name": "get_weather",
@@ -82,8 +80,11 @@ TOOLS = [
         },
     },
 ]
-CALL = {"id": "c1", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"location":"Tokyo","u":"x"}'}}  # fmt: skip
+CALL = {
+    "id": "c1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"location":"Tokyo","u":"x"}'},
+}
 CONVERSATIONS = {
     "one user turn": ([{"role": "user", "content": "Hi"}], None, "medium", None),
     "instructions, a past answer with its reasoning (dropped), a date": (
