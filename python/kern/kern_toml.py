@@ -298,7 +298,7 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         ),
         allow_unknown_fields=allow_unknown,
         hosted_tools=hosted,
-        origin={key: f"{where}.{key}" for key in _TARGET_KEYS},
+        origin={key: f"{where}.{key}" for key in _TARGET_KEYS if key in table},
     )
 
 

@@ -82,6 +82,13 @@ class ChatFormat(ABC):
     # The whole answer is a run of the format's messages (harmony): the server reads it with
     # the format's own parser and renders the prompt itself, not with the checkpoint's template.
     messages: ClassVar[bool] = False
+    # With ``messages``: what reads an answer (a splitter's interface: ``feed``, ``cut``,
+    # ``reasoning``, ``state``), made with ``calls=`` whether tool calls are on.
+    answer_parser: ClassVar[Any] = None
+
+    def render(self, messages: list[dict[str, Any]], **kwargs: Any) -> tuple[str, list[str]]:
+        """With ``messages``: the prompt of chat ``messages`` and the client's texts in it."""
+        raise NotImplementedError(f"the {self.name} format renders no prompts")
 
     @abstractmethod
     def parse(self, text: str) -> list[ToolCall] | None:

@@ -29,7 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kern.chat_formats.base import ChatFormat, Reasoning, ToolCall, arguments_format, json_object
-from kern.chat_formats.harmony_prompt import CALL, CHANNEL, CONSTRAIN, END, MESSAGE, RETURN, START
+from kern.chat_formats.harmony_prompt import (
+    CALL,
+    CHANNEL,
+    CONSTRAIN,
+    END,
+    MESSAGE,
+    RETURN,
+    START,
+    render,
+)
 
 __all__ = ["HARMONY", "Harmony", "HarmonyParser", "Header", "Released"]
 
@@ -104,7 +113,10 @@ class HarmonyParser:
 
     reasoning = REASONING
 
-    def __init__(self) -> None:
+    def __init__(self, *, calls: bool = True) -> None:
+        """``calls``: take messages to ``functions.NAME`` as calls (off: tool_choice none, or
+        no tools; they stay content, verbatim)."""
+        self.take_calls = calls
         # "header" (after <|start|>, or at the answer's start), "body", "between" (after a
         # message's end, before the next <|start|>).
         self.at = "header"
@@ -190,7 +202,7 @@ class HarmonyParser:
         if recipient is None:
             return
         name = recipient[len("functions.") :] if recipient.startswith("functions.") else ""
-        args = json_object(self.body) if name else None
+        args = json_object(self.body) if name and self.take_calls else None
         if args is None:  # not a call kern declared: its message, verbatim
             out.content += f"{self.header_text}{MESSAGE}{self.body}{marker}"
         else:
@@ -232,9 +244,14 @@ class Harmony(ChatFormat):
     summary = "harmony commentary messages to functions.NAME"
     keep_special = True
     reasoning = REASONING
+    answer_parser = HarmonyParser
     # The whole answer is messages: kern.server reads it with HarmonyParser, and renders the
     # prompt with harmony_prompt.render instead of the checkpoint's template.
     messages = True
+
+    def render(self, messages: list[dict[str, Any]], **kwargs: Any) -> tuple[str, list[str]]:
+        """The prompt of ``messages`` and the client's texts in it (``harmony_prompt.render``)."""
+        return render(messages, **kwargs)
 
     def parse(self, text: str) -> list[ToolCall] | None:
         """One call's text between ``calls_open`` and ``calls_close``: ``NAME

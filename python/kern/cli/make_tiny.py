@@ -157,10 +157,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shards", type=positive_int, default=1, help="safetensors files")
     p.add_argument(
         "--tokenizer",
-        choices=("json", "tiktoken"),
-        default="json",
-        help="json: tokenizer.json (default); tiktoken: kimi_linear only, Kimi's tiktoken.model "
-        "and tokenizer_config.json (its vocabulary sets the model's)",
+        choices=("json", "tiktoken", "harmony"),
+        help="json: tokenizer.json (the default, but for gpt_oss); tiktoken: kimi_linear only, "
+        "Kimi's tiktoken.model and tokenizer_config.json (its vocabulary sets the model's); "
+        "harmony: gpt_oss only (its default), gpt-oss's markers as the last ids",
     )
     p.add_argument("--force", action="store_true", help="replace files in a non-empty DIR")
     p.set_defaults(func=run)

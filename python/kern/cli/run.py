@@ -196,13 +196,21 @@ def _prompt_ids(args: argparse.Namespace, ckpt: Checkpoint) -> list[int]:
         text = args.prompt
         if args.chat:
             # As the server encodes chat: control-token text in the message stays plain.
+            from kern.chat_formats import FORMATS
+            from kern.models import registry
             from kern.tokenizer import ChatTemplateError
 
-            try:
-                chat = tok.apply_chat_template([{"role": "user", "content": text}])
-            except ChatTemplateError as e:
-                raise UsageError(f"--chat: {e}") from None
-            prompt_ids = tok.encode_chat(chat, [text])
+            message = {"role": "user", "content": text}
+            own = registry.of(ckpt.config).chat_format
+            if own is not None and FORMATS[own].messages:  # as kern serve renders it
+                chat, contents = FORMATS[own].render([message])
+                prompt_ids = tok.encode_chat(chat, contents)
+            else:
+                try:
+                    chat = tok.apply_chat_template([message])
+                except ChatTemplateError as e:
+                    raise UsageError(f"--chat: {e}") from None
+                prompt_ids = tok.encode_chat(chat, [text])
         else:
             prompt_ids = tok.encode(text)
         if not prompt_ids:

@@ -52,6 +52,7 @@ __all__ = [
     "Selection",
     "check_target",
     "choose_rows",
+    "family_chat_format",
     "resolve_target",
     "select",
 ]
@@ -107,7 +108,24 @@ def select(
         config=config, target=target, model=model, overrides=overrides, served_name=served_name
     )
     resolved = choose_rows(resolved, name, rows, rows_flag)
-    return Selection(resolved, name, check_target(resolved, serving=serving))
+    checked = check_target(resolved, serving=serving)
+    return Selection(family_chat_format(resolved, checked), name, checked)
+
+
+def family_chat_format(target: Target, config: ModelConfig) -> Target:
+    """``target`` with its family's chat format (``Family.chat_format``: gpt-oss answers in
+    harmony) as its tool_parser when nothing set one; one set to another is refused: it would
+    misread every answer."""
+    own = registry.of(config).chat_format
+    if own is None or target.tool_parser == own:
+        return target
+    if "tool_parser" in target.origin:
+        raise UsageError(
+            f"{target.where('tool_parser')}: {config.model_type} answers in the {own} format; "
+            f"tool_parser {target.tool_parser!r} would misread its answers (set {own!r} or "
+            "leave it out)"
+        )
+    return dataclasses.replace(target, tool_parser=own)
 
 
 def resolve_target(

@@ -121,6 +121,9 @@ class Family:
     # Whether its decode forward launches device work only (no host read-back), so CUDA
     # graphs can capture it (kern.engine.cuda_graphs).
     cuda_graphs: bool = False
+    # The chat format its answers are always in (kern.chat_formats: gpt-oss's "harmony"), the
+    # target's tool_parser unless one is set; None: the target's choice.
+    chat_format: str | None = None
 
     def build_model(self, ops: Any, config: ModelConfig, tensors: Any) -> Any:
         """The family's model over ``tensors`` (its names), prepared for ``ops``."""
@@ -204,6 +207,7 @@ FAMILIES: tuple[Family, ...] = (
         pages="kern.models.pages:KvPages",
         tiny="kern.models.gpt_oss.tiny",
         parallel={"ep": EXPERTS_ONLY},
+        chat_format="harmony",
     ),
     Family(
         "deepseek_v3",

@@ -37,7 +37,8 @@ def thinking_kwargs(handlers: OpenAI, req: Any) -> dict[str, Any]:
         elif handlers.reasoning:
             raise _refuse("this model's chat template cannot turn thinking on or off")
     effort = req.output_config.effort if req.output_config is not None else None
-    if effort is not None and handlers.reasoning is not None and "reasoning_effort" in template:
+    takes_effort = handlers.reasoning is not None and "reasoning_effort" in template
+    if effort is not None and (takes_effort or handlers.chat_format.messages):
         kwargs["reasoning_effort"] = _TEMPLATE_EFFORT.get(effort, effort)
     return kwargs
 
@@ -52,6 +53,8 @@ def thinking_budget(handlers: OpenAI, req: Any) -> int | None:
     if effort is None:
         return None
     template = handlers.tokenizer.chat_template or ""
+    if handlers.chat_format.messages:
+        return None  # harmony's system message takes the effort (thinking_kwargs)
     if handlers.reasoning is None:
         log.debug(
             "output_config.effort %r: no effect, the model is served without reasoning", effort

@@ -99,7 +99,8 @@ UNSUPPORTED: dict[str, Any] = {
     "audio": _never,
     "modalities": lambda v: v == ["text"],
     "prediction": _never,
-    "reasoning_effort": _never,
+    # Taken by harmony models (gpt-oss); another model refuses it (kern.server.openai).
+    "reasoning_effort": lambda v: v in ("low", "medium", "high"),
     "verbosity": _never,
     "web_search_options": _never,
     "store": lambda v: v is False,

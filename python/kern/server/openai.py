@@ -117,9 +117,7 @@ class OpenAI:
         self.check_model(body.model)
         special = bool(body.add_special_tokens)
         if body.messages is not None:
-            text, contents = self.prompts.render_chat(
-                body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
-            )
+            text, contents = self.prompts.render(body, harmony=self.chat_format.messages)
             ids = await self.prompts.encode(
                 text, "messages", contents=contents, add_special_tokens=special
             )
@@ -143,6 +141,8 @@ class OpenAI:
     async def completions(self, raw: bytes, receive: Receive, send: Send) -> None:
         body = self._decode(raw, api.CompletionRequest)
         self.check_model(body.model)
+        if body.reasoning_effort is not None:  # a completion's prompt is the client's text
+            raise ApiError(400, "reasoning_effort applies to chat", param="reasoning_effort")
         prompts: list[list[int]] = []
         batch = body.prompts()
         for i, prompt in enumerate(batch):
@@ -169,9 +169,7 @@ class OpenAI:
 
     async def chat_prompt(self, body: api.ChatCompletionRequest) -> tuple[str, list[int]]:
         """The rendered prompt of a chat request and its token ids."""
-        text, contents = self.prompts.render_chat(
-            body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
-        )
+        text, contents = self.prompts.render(body, harmony=self.chat_format.messages)
         ids = await self.prompts.encode(
             text, "messages", contents=contents, add_special_tokens=bool(body.add_special_tokens)
         )
@@ -191,8 +189,11 @@ class OpenAI:
         limit = body.token_limit()
         opened = self.reasoning is not None and self.reasoning.opened_by(text)
         tools = body.tool_choice_name() != "none"
+        messages = self.chat_format.messages  # the answer is the format's messages (harmony)
         split = None
-        if self.reasoning or tools:
+        if messages:
+            split = partial(self.chat_format.answer_parser, calls=tools)
+        elif self.reasoning or tools:
             calls = self.chat_format if tools else None
             split = partial(Splitter, reasoning=self.reasoning, tools=calls, prompt_opened=opened)
         await self._generate(
@@ -206,7 +207,7 @@ class OpenAI:
             split=split,
             opened=opened,
             # The format's call markers may be special tokens: left out, no call would parse.
-            keep_special=tools and self.chat_format.keep_special,
+            keep_special=(tools or messages) and self.chat_format.keep_special,
         )
 
     def check_model(self, model: str | None) -> None:

@@ -244,8 +244,8 @@ def to_chat(
         template = handlers.tokenizer.chat_template or ""
         if effort == "none" and "enable_thinking" in template:
             kwargs["enable_thinking"] = False
-        elif "reasoning_effort" in template:
-            kwargs["reasoning_effort"] = effort
+        elif "reasoning_effort" in template or handlers.chat_format.messages:
+            kwargs["reasoning_effort"] = effort  # harmony's system message takes it too
         else:
             raise _refuse(
                 "reasoning.effort", f"this model's chat template does not take effort {effort!r}"

@@ -9,11 +9,16 @@ from typing import Any
 
 import msgspec
 
+from kern.chat_formats.harmony_prompt import EFFORTS
+from kern.chat_formats.harmony_prompt import render as render_harmony
 from kern.server import api
 from kern.server.api import ApiError
 from kern.tokenizer import ChatTemplateError, Tokenizer
 
 __all__ = ["Prompts"]
+
+# The variables a harmony prompt takes from chat_template_kwargs (it has no template).
+_HARMONY_KWARGS = ("reasoning_effort", "conversation_start_date")
 
 # Characters above which a prompt is tokenized on a worker thread.
 _THREAD_TEXT = 16_384
@@ -119,6 +124,30 @@ class Prompts:
         except Exception as e:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
             raise ApiError(400, f"cannot tokenize: {e}", param=param) from None
 
+    def render(self, body: Any, *, harmony: bool) -> tuple[str, list[str]]:
+        """A chat or tokenize request's prompt text and the client's texts in it: harmony's
+        (:meth:`render_harmony`) for a harmony model, else the checkpoint's template, which
+        takes no reasoning_effort of its own (chat_template_kwargs may carry one)."""
+        effort = getattr(body, "reasoning_effort", None)
+        if harmony:
+            return self.render_harmony(
+                body.messages,
+                body.add_generation_prompt,
+                body.chat_template_kwargs,
+                body.tools,
+                effort,
+            )
+        if effort is not None:
+            raise ApiError(
+                400,
+                "reasoning_effort: this model takes it through chat_template_kwargs, if its "
+                "template has one",
+                param="reasoning_effort",
+            )
+        return self.render_chat(
+            body.messages, body.add_generation_prompt, body.chat_template_kwargs, body.tools
+        )
+
     def render_chat(
         self,
         messages: list[api.ChatMessage],
@@ -169,3 +198,60 @@ class Prompts:
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         return text, contents
+
+    def render_harmony(
+        self,
+        messages: list[api.ChatMessage],
+        add_generation_prompt: bool | None,
+        template_kwargs: dict[str, Any] | None,
+        tools: list[api.Tool] | None,
+        effort: str | None,
+    ) -> tuple[str, list[str]]:
+        """:meth:`render_chat` for a harmony model (kern.chat_formats.harmony_prompt): the
+        prompt openai-harmony renders; ``effort`` (the request's reasoning_effort) or
+        ``reasoning_effort`` in ``template_kwargs`` sets the system message's, and
+        ``conversation_start_date`` its date. Any other kwarg is refused by name."""
+        kwargs = dict(template_kwargs or {})
+        for key in kwargs:
+            if key not in _HARMONY_KWARGS:
+                raise ApiError(
+                    400,
+                    f"chat_template_kwargs: {key!r} is not a harmony prompt's (it takes "
+                    f"{', '.join(_HARMONY_KWARGS)})",
+                    param="chat_template_kwargs",
+                )
+        effort = effort or kwargs.get("reasoning_effort") or "medium"
+        if effort not in EFFORTS:
+            raise ApiError(
+                400,
+                f"reasoning_effort {api.echo(effort)} is not one of {', '.join(EFFORTS)}",
+                param="reasoning_effort",
+            )
+        date = kwargs.get("conversation_start_date")
+        if date is not None and not isinstance(date, str):
+            raise ApiError(
+                400,
+                "chat_template_kwargs.conversation_start_date must be a string",
+                param="chat_template_kwargs",
+            )
+        dicts = [msgspec.to_builtins(m) for m in messages]
+        for d, m in zip(dicts, messages, strict=True):
+            d["content"] = m.text()
+        specs = []
+        for i, t in enumerate(tools or ()):
+            spec = msgspec.to_builtins(t.function)
+            if self.tokenizer.spells_control(msgspec.json.encode(spec).decode()):
+                raise ApiError(
+                    400, f"tools[{i}] spells a control token of the tokenizer", param=f"tools[{i}]"
+                )
+            specs.append(spec)
+        try:
+            return render_harmony(
+                dicts,
+                specs,
+                reasoning_effort=effort,
+                date=date,
+                add_generation_prompt=add_generation_prompt is not False,
+            )
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None

@@ -24,7 +24,13 @@ from kern.models import registry
 from kern.models.config import ModelConfig
 from kern.tiny.config import FP8_BLOCK
 from kern.tiny.config import config_json as tiny_config_json
-from kern.tiny.tokenizer import build_tokenizer, tokenizer_config, write_tiktoken_tokenizer
+from kern.tiny.tokenizer import (
+    HARMONY_TOKENS,
+    build_tokenizer,
+    harmony_tokenizer_config,
+    tokenizer_config,
+    write_tiktoken_tokenizer,
+)
 
 __all__ = ["DEFAULT_MODEL_ARGS", "make_tiny"]
 
@@ -42,7 +48,7 @@ def make_tiny(
     tie_embeddings: bool = False,
     dtype: str = "float32",
     shards: int = 1,
-    tokenizer: str = "json",
+    tokenizer: str | None = None,
     overwrite: bool = False,
     max_position_embeddings: int | None = None,
     **sizes: Any,
@@ -53,6 +59,8 @@ def make_tiny(
     defaults (its writer's ``DEFAULTS``); one the family does not have is refused.
     ``dtype`` is the stored dtype (``float32``/``bfloat16``/``float16``); ``shards > 1`` writes
     ``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+    ``tokenizer`` None is the writer's first ``TOKENIZERS`` ("json" unless it lists others);
+    ``"harmony"`` (gpt_oss) puts gpt-oss's markers at the last ids, with no chat template.
     ``tokenizer="tiktoken"`` (a family whose writer lists it: kimi_linear) writes Kimi's
     ``tiktoken.model`` and ``tokenizer_config.json`` instead of ``tokenizer.json`` (its
     vocabulary sets the model's). ``fp8=True`` (a family whose writer has ``quantize``) writes
@@ -79,9 +87,13 @@ def make_tiny(
         raise ValueError(f"option 'fp8' does not apply to family {family!r}")
     args.update(fp8=fp8, fp8_block=FP8_BLOCK)
     storage_dtype = parse_dtype(dtype)
-    if tokenizer not in ("json", "tiktoken"):
-        raise ValueError(f"tokenizer must be 'json' or 'tiktoken', got {tokenizer!r}")
-    tiktoken_ok = "tiktoken" in getattr(writer, "TOKENIZERS", ("json",))
+    kinds = getattr(writer, "TOKENIZERS", ("json",))
+    tokenizer = kinds[0] if tokenizer is None else tokenizer
+    if tokenizer not in ("json", "tiktoken", "harmony"):
+        raise ValueError(f"tokenizer must be 'json', 'tiktoken' or 'harmony', got {tokenizer!r}")
+    if tokenizer == "harmony" and tokenizer not in kinds:
+        raise ValueError(f"tokenizer='harmony' (gpt-oss's markers) does not go with {family!r}")
+    tiktoken_ok = "tiktoken" in kinds
     if tokenizer == "tiktoken" and (not tiktoken_ok or sizes.get("vocab") is not None):
         what = "option 'vocab'" if tiktoken_ok else f"family {family!r}"
         raise ValueError(
@@ -145,6 +157,13 @@ def _write_tokenizer(
         ids = {"bos": kimi.bos_token_id, "eos": kimi.eos_token_id}
         ids["pad"] = kimi.special_ids["[PAD]"]
         return ids, [kimi.eos_token_id, kimi.special_ids["[EOS]"]]
+    if tokenizer == "harmony":
+        fast, special_ids = build_tokenizer(args["vocab"], HARMONY_TOKENS)
+        (tmp / "tokenizer.json").write_text(fast.to_str(pretty=True) + "\n", encoding="utf-8")
+        _write_json(tmp / "tokenizer_config.json", harmony_tokenizer_config(special_ids))
+        ids = {"bos": special_ids["<|startoftext|>"], "eos": special_ids["<|return|>"]}
+        ids["pad"] = special_ids["<|endoftext|>"]
+        return ids, [ids["eos"], ids["pad"], special_ids["<|call|>"]]
     fast, special_ids = build_tokenizer(args["vocab"])
     (tmp / "tokenizer.json").write_text(fast.to_str(pretty=True) + "\n", encoding="utf-8")
     _write_json(tmp / "tokenizer_config.json", tokenizer_config(special_ids))

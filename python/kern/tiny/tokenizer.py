@@ -35,6 +35,18 @@ from kern.tokenizer.tiktoken import (
 from kern.tokenizer.token_bytes import bytes_to_unicode
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# gpt-oss's harmony markers, in o200k_harmony's id order (a tiny gpt_oss's last ids).
+HARMONY_TOKENS = (
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|return|>",
+    "<|constrain|>",
+    "<|channel|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|call|>",
+)
 
 # Qwen2/Qwen3's pre-tokenizer split (from their tokenizer.json).
 _SPLIT = (
@@ -173,20 +185,22 @@ def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     )
 
 
-def build_tokenizer(vocab_size: int) -> tuple[Tokenizer, dict[str, int]]:
-    """A byte-level BPE tokenizer of at most ``vocab_size`` ids, specials last."""
-    min_size = 256 + len(SPECIAL_TOKENS)
+def build_tokenizer(
+    vocab_size: int, specials: tuple[str, ...] = SPECIAL_TOKENS
+) -> tuple[Tokenizer, dict[str, int]]:
+    """A byte-level BPE tokenizer of at most ``vocab_size`` ids, ``specials`` last."""
+    min_size = 256 + len(specials)
     if vocab_size < min_size:
         raise ValueError(f"vocab must be at least {min_size} (256 bytes + special tokens)")
     byte_chars = bytes_to_unicode()
     vocab = {byte_chars[b]: b for b in range(256)}
     pre = _pre_tokenizer()
     text = unicodedata.normalize("NFC", _CORPUS)
-    for special in SPECIAL_TOKENS:  # specials are never split, so never learned from
+    for special in (*SPECIAL_TOKENS, *specials):  # never split, so never learned from
         text = text.replace(special, "\n")
     words = Counter(tuple(piece) for piece, _ in pre.pre_tokenize_str(text))
     merges: list[tuple[str, str]] = []
-    target = vocab_size - len(SPECIAL_TOKENS)
+    target = vocab_size - len(specials)
     while len(vocab) < target:
         pairs: Counter[tuple[str, str]] = Counter()
         for word, count in words.items():
@@ -204,9 +218,9 @@ def build_tokenizer(vocab_size: int) -> tuple[Tokenizer, dict[str, int]]:
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(
-        [AddedToken(s, special=True, normalized=False, single_word=False) for s in SPECIAL_TOKENS]
+        [AddedToken(s, special=True, normalized=False, single_word=False) for s in specials]
     )
-    special_ids = {s: tok.token_to_id(s) for s in SPECIAL_TOKENS}
+    special_ids = {s: tok.token_to_id(s) for s in specials}
     return tok, special_ids
 
 
@@ -230,6 +244,20 @@ def _added_tokens(special_ids: dict[str, int]) -> dict[str, Any]:
     """tokenizer_config.json's ``added_tokens_decoder``: every id a special token."""
     flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
     return {str(i): {"content": s, **flags, "special": True} for s, i in special_ids.items()}
+
+
+def harmony_tokenizer_config(special_ids: dict[str, int]) -> dict[str, Any]:
+    """A tiny gpt_oss's tokenizer_config.json: gpt-oss's special tokens, no chat template
+    (kern renders harmony prompts itself, kern.chat_formats.harmony_prompt)."""
+    return {
+        "added_tokens_decoder": _added_tokens(special_ids),
+        "bos_token": "<|startoftext|>",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|return|>",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
 
 
 def tokenizer_config(special_ids: dict[str, int]) -> dict[str, Any]:

@@ -14,7 +14,11 @@ from torch import Tensor
 from kern.checkpoint.entries import FP4_VALUES
 from kern.models.config import ModelConfig
 
-__all__ = ["DEFAULTS", "config_json", "fuse", "quantize"]
+__all__ = ["DEFAULTS", "TOKENIZERS", "config_json", "fuse", "quantize"]
+
+# Harmony's markers as the last ids by default (kern serves gpt_oss in harmony); "json" writes
+# the Qwen-style tokenizer the other families get.
+TOKENIZERS = ("harmony", "json")
 
 DEFAULTS: dict[str, Any] = dict(
     layers=4,
