@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from kern.chat_formats import DEFAULT, FORMATS, REASONING_PARSERS, TOOL_PARSERS, reasoning_block
+from kern.chat_formats.harmony import HARMONY
 from kern.chat_formats.kimi_k2 import KIMI_K2
 from kern.chat_formats.qwen3 import QWEN3
 
@@ -29,10 +30,11 @@ READERS = [
 
 
 def test_the_registry():
-    assert FORMATS == {"qwen3": QWEN3, "kimi_k2": KIMI_K2}
+    assert FORMATS == {"qwen3": QWEN3, "kimi_k2": KIMI_K2, "harmony": HARMONY}
     assert all(name == f.name for name, f in FORMATS.items())
-    assert TOOL_PARSERS == ("qwen3", "kimi_k2") and DEFAULT is QWEN3
-    assert REASONING_PARSERS == ("qwen3",) and KIMI_K2.reasoning is None
+    assert TOOL_PARSERS == ("qwen3", "kimi_k2", "harmony") and DEFAULT is QWEN3
+    # harmony reads its own reasoning (its answers are messages): no reasoning_parser value.
+    assert REASONING_PARSERS == ("qwen3",) and KIMI_K2.reasoning is None and HARMONY.messages
     assert reasoning_block(None) is None and reasoning_block("qwen3") is QWEN3.reasoning
     assert (QWEN3.keep_special, KIMI_K2.keep_special) == (False, True)
 

@@ -217,3 +217,20 @@ def test_expert_parallel_ranks_split_the_routed_experts_only(tmp_path):
                 assert torch.equal(t, full.tensors[name]), name
     with pytest.raises(ValueError, match="'tp' is implemented for .*, not gpt_oss"):
         Shard(0, 2, "tp").check(full.config)
+
+
+def test_a_target_takes_harmony_and_refuses_a_parser_that_would_misread_it(tmp_path):
+    from kern.engine.targets import select
+    from kern.errors import UsageError
+
+    folder = make_tiny("gpt_oss", tmp_path / "t")
+
+    def chosen(**overrides):
+        return select(config=None, target=None, model=folder, overrides=overrides, serving=True)
+
+    assert chosen().target.tool_parser == "harmony"
+    assert chosen(tool_parser="harmony").target.tool_parser == "harmony"
+    with pytest.raises(UsageError, match="answers in the harmony format; tool_parser 'qwen3'"):
+        chosen(tool_parser="qwen3")
+    with pytest.raises(UsageError, match="leave reasoning_parser out"):
+        chosen(reasoning_parser="qwen3")

@@ -268,4 +268,9 @@ def test_the_format_is_registered_with_its_grammar():
 
     assert FORMATS["harmony"] is HARMONY and HARMONY.messages and HARMONY.keep_special
     grammar = HARMONY.grammar([WEATHER], "get_weather", False)
-    assert grammar["elements"][1]["begin"].startswith("<|channel|>commentary to=functions.")
+    begins = [tag["begin"] for tag in grammar["elements"][1]["elements"]]
+    assert "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" in begins
+    # Every form the grammar lets through parses as a call.
+    for begin in begins:
+        out = HarmonyParser().feed(begin + '{"location": "x"}', final=True)
+        assert [c.name for c in out.calls] == ["get_weather"], begin

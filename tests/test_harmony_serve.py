@@ -232,3 +232,36 @@ def test_the_other_apis_take_an_effort_for_the_system_message(answering):
         _client(server).responses.create(
             model=MODEL, input="Hi", reasoning={"effort": "minimal"}, max_output_tokens=8
         )
+
+
+def test_tool_choice_grammars_hold_the_harmony_answers(answering, calling):
+    """required and a named tool: an optional analysis message, then the call; auto: then a
+    call or a final message. Each compiles, and lets through the answers the models write."""
+    server, _ = calling
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}, "auto"):
+        r = _client(server).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=32,
+        )
+        assert r.choices[0].finish_reason == "tool_calls", choice
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {
+            "city": "Paris"
+        }
+    server, _ = answering
+    r = _client(server).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "2 + 2?"}],
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=32,
+    )
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ANSWER, "stop")
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        _client(server).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "2 + 2?"}],
+            response_format={"type": "json_object"},
+        )

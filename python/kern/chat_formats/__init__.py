@@ -33,7 +33,10 @@ DEFAULT = next(iter(FORMATS.values()))
 # kern.toml's tool_parser values (the convention chat answers' tool calls are written in), the
 # first the default; and its reasoning_parser values, the formats with a reasoning block.
 TOOL_PARSERS = tuple(FORMATS)
-REASONING_PARSERS = tuple(name for name, f in FORMATS.items() if f.reasoning is not None)
+# (A format whose answers are its messages reads their reasoning itself: not one of them.)
+REASONING_PARSERS = tuple(
+    name for name, f in FORMATS.items() if f.reasoning is not None and not f.messages
+)
 
 
 def reasoning_block(parser: str | None) -> Reasoning | None:

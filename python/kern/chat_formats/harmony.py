@@ -287,8 +287,19 @@ class Harmony(ChatFormat):
         return {"type": "sequence", "elements": [think, call]}
 
     def _call(self, tool: dict[str, Any]) -> dict[str, Any]:
-        begin = f"{CHANNEL}commentary to=functions.{tool['name']} {CONSTRAIN}json{MESSAGE}"
-        return {"type": "tag", "begin": begin, "content": arguments_format(tool), "end": CALL}
+        """A call of ``tool`` in any header form gpt-oss writes one in: the recipient after
+        the channel (OpenAI's examples, with or without a space before ``<|constrain|>``) or
+        before it (as openai-harmony renders a call), ``<|constrain|>json`` or ``json``."""
+        to = f"to=functions.{tool['name']}"
+        begins = [
+            f"{CHANNEL}commentary {to} {CONSTRAIN}json{MESSAGE}",
+            f"{CHANNEL}commentary {to}{CONSTRAIN}json{MESSAGE}",
+            f" {to}{CHANNEL}commentary {CONSTRAIN}json{MESSAGE}",
+            f" {to}{CHANNEL}commentary json{MESSAGE}",
+        ]
+        content = arguments_format(tool)
+        tags = [{"type": "tag", "begin": b, "content": content, "end": CALL} for b in begins]
+        return {"type": "or", "elements": tags}
 
     def call_grammar(self, tool: dict[str, Any]) -> dict[str, Any]:
         return self._call(tool)

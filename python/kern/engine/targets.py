@@ -117,6 +117,11 @@ def family_chat_format(target: Target, config: ModelConfig) -> Target:
     harmony) as its tool_parser when nothing set one; one set to another is refused: it would
     misread every answer."""
     own = registry.of(config).chat_format
+    if own is not None and target.reasoning_parser is not None:
+        raise UsageError(
+            f"{target.where('reasoning_parser')}: {config.model_type} answers in the {own} "
+            "format, which carries its reasoning: leave reasoning_parser out"
+        )
     if own is None or target.tool_parser == own:
         return target
     if "tool_parser" in target.origin:

@@ -231,6 +231,9 @@ class OpenAI:
         think = None if self.reasoning is None else self.reasoning.grammar(opened)
         tools = isinstance(body, api.ChatCompletionRequest) and body.tool_choice_name() != "none"
         fmt = body.response_format
+        if fmt is not None and fmt.get("type") != "text" and self.chat_format.messages:
+            msg = "a harmony answer's JSON would sit in its final message, not held yet"
+            raise ApiError(400, f"response_format: {msg}", param="response_format")
         if fmt is not None and fmt.get("type") != "text" and tools:
             raise ApiError(
                 400,
