@@ -265,3 +265,34 @@ def test_tool_choice_grammars_hold_the_harmony_answers(answering, calling):
             messages=[{"role": "user", "content": "2 + 2?"}],
             response_format={"type": "json_object"},
         )
+
+
+def test_the_other_apis_stream_reasoning_and_calls(answering, calling):
+    import anthropic
+
+    server, _ = answering
+    events = list(
+        _client(server).responses.create(
+            model=MODEL, input="2 + 2?", max_output_tokens=32, stream=True
+        )
+    )
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (reasoning, text) == (THINK, ANSWER)
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY)
+    with client.messages.stream(
+        model=MODEL, max_tokens=32, messages=[{"role": "user", "content": "2 + 2?"}]
+    ) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[1].text == ANSWER
+    server, _ = calling
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    events = list(
+        _client(server).responses.create(
+            model=MODEL, input="Weather?", tools=tools, max_output_tokens=32, stream=True
+        )
+    )
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    (call,) = [item for item in done if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
