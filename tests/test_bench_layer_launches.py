@@ -1,6 +1,6 @@
 """``kern.bench.layer_launches``: a qwen3 layer's decode launches on the CUDA wiring (Triton
 under the interpreter), held to what the fused kernels brought them to: the q/k norm and RoPE
-one launch, the residual add fused into the post-attention norm, no host sync."""
+one launch, the residual adds fused into the norms that follow them, no host sync."""
 
 from __future__ import annotations
 
@@ -31,5 +31,7 @@ def test_a_qwen3_layer_at_decode(monkeypatch):
     for (layer, kind), n in ops.items():
         if layer is not None and kind.startswith("op "):
             compute[kind] += n
-    assert compute == Counter({"op add": layers})  # the MLP's residual add
+    # The MLP's residual add goes into the next layer's input norm (the last one's, once a
+    # step, outside the layers).
+    assert compute == Counter()
     assert not any(k == "sync" for _, k in ops)

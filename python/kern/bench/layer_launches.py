@@ -110,25 +110,27 @@ def count(family: str, batch: int) -> tuple[Counter, Counter, int]:
     layers = runner.model.layers
     kept = list(layers)
 
-    def tracked(i: int, layer):
-        def call(x, step, caches):
+    def tracked(i: int, run_layer):
+        def call(x, pending, step, caches):
             counter.layer = i
             try:
-                return layer(x, step, caches)
+                return run_layer(x, pending, step, caches)
             finally:
                 counter.layer = None
 
         return call
 
     interpreter.InterpretedFunction.run = counted
-    # the model's own forward, each layer in its list wrapped to name where the calls go
-    layers[:] = [tracked(i, layer) for i, layer in enumerate(kept)]
+    # the model's own forward, each layer's run wrapped to name where the calls go
+    for i, layer in enumerate(kept):
+        layer.run = tracked(i, layer.run)
     try:
         with counter:
             runner.forward(decode)
     finally:
         interpreter.InterpretedFunction.run = run
-        layers[:] = kept
+        for layer in kept:
+            del layer.run
     return counter.ops, launches, len(layers)
 
 

@@ -17,7 +17,11 @@ __all__ = ["DecoderLayer", "DecoderModel"]
 
 
 class DecoderLayer:
-    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + mixer(norm(x)), then x + mlp(norm(x)).
+
+    The MLP's residual add is left to the next layer (:meth:`run`): its input norm adds it
+    in the same kernel (``ops.add_rms_norm``), one launch a layer fewer. The sum is the same
+    tensor either way (the add is computed, then normalised), so the bits do not change."""
 
     def __init__(
         self,
@@ -39,10 +43,22 @@ class DecoderLayer:
         self.mlp = mlp
 
     def __call__(self, x: Tensor, step: Step, caches: Caches) -> Tensor:
+        x, h = self.run(x, None, step, caches)
+        return x + h
+
+    def run(
+        self, x: Tensor, pending: Tensor | None, step: Step, caches: Caches
+    ) -> tuple[Tensor, Tensor]:
+        """The block on ``x + pending`` (the previous layer's MLP output not yet added; None:
+        nothing pending) -> (x, h): the block's output is ``x + h``."""
         ops = self.ops
-        h = self.mixer(ops.rms_norm(x, self.input_norm, self.eps), step, caches)
+        if pending is None:
+            y = ops.rms_norm(x, self.input_norm, self.eps)
+        else:
+            x, y = ops.add_rms_norm(x, pending, self.input_norm, self.eps)
+        h = self.mixer(y, step, caches)
         x, y = ops.add_rms_norm(x, h, self.post_norm, self.eps)
-        return x + self.mlp(y)
+        return x, self.mlp(y)
 
 
 class DecoderModel:
@@ -78,12 +94,13 @@ class DecoderModel:
         """Hidden states [T, hidden] after the last layer (before the final norm); the
         outputs of the layers ``caches.taps`` names are put there."""
         x = self.embed[step.token_ids]
+        h = None  # the last layer's MLP output, added by the next one (DecoderLayer.run)
         taps = caches.taps
         for i, layer in enumerate(self.layers):
-            x = layer(x, step, caches)
+            x, h = layer.run(x, h, step, caches)
             if i in taps:
-                taps[i] = x
-        return x
+                taps[i] = x + h
+        return x if h is None else x + h
 
     def final_hidden(self, hidden: Tensor) -> Tensor:
         """[N, hidden] rows after the final norm (what the LM head reads)."""
