@@ -1,6 +1,6 @@
 """``kern.bench.layer_launches``: a qwen3 layer's decode launches on the CUDA wiring (Triton
-under the interpreter), held to what the fused kernels brought them to: the q/k norm and RoPE
-one launch, the residual adds fused into the norms that follow them, no host sync."""
+under the interpreter), held to what the fused kernels brought them to: the q/k norm, RoPE and
+the KV write one launch, the residual adds fused into the norms that follow them, no host sync."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ def test_a_qwen3_layer_at_decode(monkeypatch):
         qk_norm_rope_kernel=layers,
         rms_norm_kernel=2 * layers,
         silu_and_mul_kernel=layers,
-        write_kv_kernel=layers,
-    )
+    )  # the KV write is in qk_norm_rope_kernel
     compute: Counter = Counter()
     for (layer, kind), n in ops.items():
         if layer is not None and kind.startswith("op "):

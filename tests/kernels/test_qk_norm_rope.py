@@ -82,3 +82,37 @@ def test_refusals():
         qk_norm_rope.qk_norm_rope(x, torch.ones(3, 64), EPS, 0.0, torch.arange(2), 1e4, 63)
     with pytest.raises(ValueError, match=r"weight must be \[3, 64\]"):
         qk_norm_rope.qk_norm_rope(x, torch.ones(64), EPS, 0.0, torch.arange(2), 1e4, 64)
+
+
+@pytest.mark.parametrize(
+    ("num_q", "num_k", "head_dim", "rotary_dim", "dtype"),
+    [
+        pytest.param(4, 2, 64, 64, torch.float32, id="qwen3-fp32"),
+        pytest.param(3, 1, 96, 24, torch.bfloat16, id="partial-bf16"),
+    ],
+)
+def test_the_kv_write_stores_what_write_kv_stores(num_q, num_k, head_dim, rotary_dim, dtype):
+    """With kv: the same output, and the caches hold exactly what write_kv stores of its key
+    heads and v (a strided arena like the runner's; other slots untouched)."""
+    from kern.kernels.paged_attention import paged_attention
+
+    t, page = 9, 4
+    qkv = torch.randn(t, num_q + 2 * num_k, head_dim).to(dtype)
+    qk, v = qkv[:, : num_q + num_k], qkv[:, num_q + num_k :]
+    weight = _weight(num_q, num_k, head_dim)
+    positions = torch.arange(t) + 5
+    slots = torch.randperm(6 * page)[:t]
+    arena = torch.full((6, 2, num_k, page, head_dim), -7.0, dtype=dtype)
+    k_cache, v_cache = arena[:, 0].transpose(1, 2), arena[:, 1].transpose(1, 2)
+    want_arena = arena.clone()
+    want_k, want_v = want_arena[:, 0].transpose(1, 2), want_arena[:, 1].transpose(1, 2)
+    args = (qk, weight, EPS, 1.0, positions, 1e6, rotary_dim)
+    plain = qk_norm_rope.qk_norm_rope(*args)
+    paged_attention.write_kv(plain[:, num_q:], v, want_k, want_v, slots)
+    got = qk_norm_rope.qk_norm_rope(*args, kv=(v, k_cache, v_cache, slots))
+    assert torch.equal(got, plain)
+    assert torch.equal(arena, want_arena)
+    ref_arena = torch.full_like(arena, -7.0)
+    ref_k, ref_v = ref_arena[:, 0].transpose(1, 2), ref_arena[:, 1].transpose(1, 2)
+    reference.qk_norm_rope(*args, kv=(v, ref_k, ref_v, slots))
+    assert torch.equal(ref_arena != -7.0, arena != -7.0)

@@ -203,6 +203,15 @@ class CpuOps:
         then RoPE: the two ops in sequence (the CUDA backend fuses them)."""
         return self.rotary(self.rms_norm(qk, w, eps), rope, rotary_dim)
 
+    def qk_norm_rope_kv(
+        self, step: Step, qk: Tensor, v: Tensor, w: Tensor, eps: float, rope, rotary_dim: int,
+        kv_cache: Tensor,
+    ) -> Tensor:  # fmt: skip
+        """:meth:`qk_norm_rope`, then the keys (its last Hk heads) and ``v`` into the cache."""
+        qk = self.qk_norm_rope(qk, w, eps, rope, rotary_dim)
+        self.write_kv(step, qk[:, qk.shape[1] - v.shape[1] :], v, kv_cache)
+        return qk
+
     def silu_and_mul(self, x: Tensor) -> Tensor:
         """silu(gate) * up as ``kern.kernels.pointwise.silu`` computes it, in one new buffer."""
         inter = x.shape[-1] // 2

@@ -148,6 +148,29 @@ class CudaOps:
             qk, weight, eps, offset, rope.positions, rope.theta, rotary_dim, rope.freqs
         )
 
+    def qk_norm_rope_kv(
+        self, step: Step, qk: Tensor, v: Tensor, w, eps: float, rope, rotary_dim: int, kv_cache
+    ) -> Tensor:
+        """:meth:`qk_norm_rope`, then the keys (its last Hk heads) and ``v`` written into the
+        layer's cache at the step's slots, in the same kernel (the bits write_kv stores)."""
+        if isinstance(rope, _ScaledRope) or w[2] is None:
+            qk = self.qk_norm_rope(qk, w, eps, rope, rotary_dim)
+            self.write_kv(step, qk[:, qk.shape[1] - v.shape[1] :], v, kv_cache)
+            return qk
+        weight, offset, _ = w
+        k_cache, v_cache = self.kv_views(kv_cache)
+        return self._qk_norm_rope.qk_norm_rope(
+            qk,
+            weight,
+            eps,
+            offset,
+            rope.positions,
+            rope.theta,
+            rotary_dim,
+            rope.freqs,
+            kv=(v, k_cache, v_cache, step.slot_mapping),
+        )
+
     def silu_and_mul(self, x: Tensor) -> Tensor:
         return self._act.silu_and_mul(x)
 

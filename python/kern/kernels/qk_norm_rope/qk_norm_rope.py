@@ -38,10 +38,25 @@ def qk_norm_rope_kernel(
     stride_yh,
     eps,
     offset,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_vt,
+    stride_vh,
+    stride_kcp,
+    stride_kcn,
+    stride_kch,
+    stride_vcp,
+    stride_vcn,
+    stride_vch,
+    HQ,
     BD: tl.constexpr,
     BR: tl.constexpr,
     BP: tl.constexpr,
     BT: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     half = R // 2
@@ -78,8 +93,32 @@ def qk_norm_rope_kernel(
         m_p = m_t[:, None] & (o_p < D)[None, :]
         b_xp = tl.load(p_x + o_p[None, :], mask=m_p, other=0.0).to(tl.float32)
         b_wp = tl.load(p_w + o_p, mask=o_p < D, other=0.0).to(tl.float32)
-        b_yp = (b_xp * b_rstd) * (offset + b_wp)[None, :]
-        tl.store(p_y + o_p[None, :], b_yp.to(y.dtype.element_ty), mask=m_p)
+        b_yp = ((b_xp * b_rstd) * (offset + b_wp)[None, :]).to(y.dtype.element_ty)
+        tl.store(p_y + o_p[None, :], b_yp, mask=m_p)
+    if WRITE_KV:
+        if i_h >= HQ:
+            # a key head's program also writes its key and its value into the paged caches:
+            # the values just stored in y, cast to the caches' dtype, as write_kv stores them
+            b_slot = tl.load(slot_mapping + o_t, mask=m_t, other=0).to(tl.int64)
+            i_kh = i_h - HQ
+            p_kc = k_cache + (b_slot // PAGE)[:, None] * stride_kcp
+            p_kc += (b_slot % PAGE)[:, None] * stride_kcn + i_kh * stride_kch
+            kc_ty = k_cache.dtype.element_ty
+            tl.store(p_kc + o_r[None, :], b_y1.to(y.dtype.element_ty).to(kc_ty), mask=m_r)
+            tl.store(p_kc + half + o_r[None, :], b_y2.to(y.dtype.element_ty).to(kc_ty), mask=m_r)
+            if R < D:
+                o_q = R + tl.arange(0, BP)
+                m_q = m_t[:, None] & (o_q < D)[None, :]
+                b_xq = tl.load(p_x + o_q[None, :], mask=m_q, other=0.0).to(tl.float32)
+                b_wq = tl.load(p_w + o_q, mask=o_q < D, other=0.0).to(tl.float32)
+                b_yq = ((b_xq * b_rstd) * (offset + b_wq)[None, :]).to(y.dtype.element_ty)
+                tl.store(p_kc + o_q[None, :], b_yq.to(kc_ty), mask=m_q)
+            p_vc = v_cache + (b_slot // PAGE)[:, None] * stride_vcp
+            p_vc += (b_slot % PAGE)[:, None] * stride_vcn + i_kh * stride_vch
+            m_d = m_t[:, None] & (o_d < D)[None, :]
+            p_v = v + o_t[:, None] * stride_vt + i_kh * stride_vh + o_d[None, :]
+            b_v = tl.load(p_v, mask=m_d, other=0.0).to(v_cache.dtype.element_ty)
+            tl.store(p_vc + o_d[None, :], b_v, mask=m_d)
 
 
 def qk_norm_rope(
@@ -91,8 +130,12 @@ def qk_norm_rope(
     theta: float,
     rotary_dim: int,
     freqs: Tensor | None = None,
+    *,
+    kv: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """See `reference.qk_norm_rope`. Pure: returns a new tensor. rotary_dim must be even."""
+    """See `reference.qk_norm_rope`: returns a new tensor, and with ``kv`` also writes the
+    keys and values into the caches (one launch, not two; page_tokens a power of two, the
+    caches' last dim contiguous). rotary_dim must be even."""
     check_device(x, weight, positions)
     num_tokens, num_heads, head_dim = x.shape
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
@@ -105,6 +148,21 @@ def qk_norm_rope(
         freqs = inv_freq(theta, rotary_dim).to(x.device)
     y = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(num_tokens, meta["BT"]), num_heads)  # noqa: E731
+    if kv is not None:
+        v, k_cache, v_cache, slot_mapping = kv
+        check_device(v, k_cache, v_cache, slot_mapping)
+        if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+            raise ValueError("the caches' last dim (head_dim) must be contiguous")
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        page = k_cache.shape[1]
+        if page & (page - 1):
+            raise ValueError(f"page_tokens must be a power of two, got {page}")
+        num_q = num_heads - v.shape[1]
+        caches = (v, k_cache, v_cache, slot_mapping, v.stride(0), v.stride(1))
+        caches += (*k_cache.stride()[:3], *v_cache.stride()[:3], num_q)
+    else:
+        page, caches = 1, (x, x, x, positions, 0, 0, 0, 0, 0, 0, 0, 0, num_heads)
     qk_norm_rope_kernel[grid](
         x,
         weight.contiguous(),
@@ -120,8 +178,11 @@ def qk_norm_rope(
         y.stride(1),
         eps,
         offset,
+        *caches,
         BD=triton.next_power_of_2(head_dim),
         BR=triton.next_power_of_2(rotary_dim // 2),
         BP=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
+        WRITE_KV=kv is not None,
+        PAGE=page,
     )
     return y

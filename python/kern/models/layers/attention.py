@@ -74,11 +74,12 @@ class Attention:
         else:
             heads = qkv.view(n, h + 2 * hk, d)
             qk, v = heads[:, : h + hk], heads[:, h + hk :]
-        qk = ops.qk_norm_rope(qk, self.qk_norm, self.eps, step.rope, self.rotary_dim)
-        q, k = qk[:, :h], qk[:, h:]
         kv_cache = caches.kv[self.kv_index]
-        ops.write_kv(step, k, v, kv_cache)
-        o = ops.attention(step, q, kv_cache, self.scale).reshape(n, h * d)
+        # the keys and values go into the cache in the same kernel
+        qk = ops.qk_norm_rope_kv(
+            step, qk, v, self.qk_norm, self.eps, step.rope, self.rotary_dim, kv_cache
+        )
+        o = ops.attention(step, qk[:, :h], kv_cache, self.scale).reshape(n, h * d)
         if gate is not None:
             o = o * ops.sigmoid(gate)
         return ops.linear(o, self.w_o, self.b_o)
