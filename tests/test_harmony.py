@@ -10,6 +10,8 @@ import shutil
 
 import openai_harmony as h
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support import harmony_ref
 
 from kern.chat_formats.harmony import HARMONY, HarmonyParser, parse_header
@@ -274,3 +276,29 @@ def test_the_format_is_registered_with_its_grammar():
     for begin in begins:
         out = HarmonyParser().feed(begin + '{"location": "x"}', final=True)
         assert [c.name for c in out.calls] == ["get_weather"], begin
+
+
+PIECES = [
+    "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|call|>", "<|return|>",
+    "<|constrain|>", "analysis", "final", "commentary", " to=functions.f", " to=", "assistant",
+    "json", '{"a": 1}', "{", "}", " ", "text ", "<|", "|>", "日本",
+]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=30), st.lists(st.integers(1, 9), max_size=40))
+def test_any_answer_reads_without_error_and_keeps_every_character(pieces, cuts):
+    """Whatever a model writes, the parser never raises, and what it releases (reasoning,
+    content, calls' bodies and the markup between) never holds more than the answer did;
+    fed in any pieces, it releases the same as fed whole."""
+    text = "".join(pieces)
+    whole = HarmonyParser().feed(text, final=True)
+    parser, pos, parts = HarmonyParser(), 0, []
+    for n in cuts:
+        parts.append(parser.feed(text[pos : pos + n]))
+        pos += n
+    parts.append(parser.feed(text[pos:], final=True))
+    assert "".join(p.reasoning for p in parts) == whole.reasoning
+    assert "".join(p.content for p in parts) == whole.content
+    assert [c for p in parts for c in p.calls] == whole.calls
+    assert len(whole.reasoning) + len(whole.content) <= len(text)

@@ -223,7 +223,8 @@ class HarmonyParser:
                     self.cut = self.body
                     self.text = ""
                 else:
-                    self._close(out, CALL)  # <|call|> ended it (an end id, not in the text)
+                    # <|call|> ended it (an end id, not in the text): nothing to add back
+                    self._close(out, "")
             if self.text:  # a message the end cut short (or <|return|> ended)
                 self.parsed.append((self.header, self.text))
                 self.text = ""
