@@ -48,7 +48,7 @@ def answering(tmp_path_factory):
     model = make_scripted_harmony(tmp / "model", pieces, "<|return|>")
     server = Server(tmp, "answer", pool_bytes="16MiB", model=model)
     yield server, model
-    server.close()
+    _close(server)
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +64,22 @@ def calling(tmp_path_factory):
     model = make_scripted_harmony(tmp / "model", pieces, "<|call|>")
     server = Server(tmp, "call", pool_bytes="16MiB", model=model)
     yield server, model
-    server.close()
+    _close(server)
 
 
 def _client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    """The server's one openai client (closed with the server: no socket left open)."""
+    client = getattr(server, "openai_client", None)
+    if client is None:
+        client = server.openai_client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY)
+    return client
+
+
+def _close(server: Server) -> None:
+    client = getattr(server, "openai_client", None)
+    if client is not None:
+        client.close()
+    server.close()
 
 
 def test_reasoning_and_answer_whole_and_streamed(answering):
@@ -111,11 +122,12 @@ def test_a_call_comes_back_as_tool_calls_and_round_trips(calling):
     again = client.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, max_tokens=32)
     assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
     # The prompt the server rendered is harmony's, id for id.
-    ids = httpx.post(
-        server.url + "/tokenize",
-        json={"messages": turn, "tools": TOOLS},
-        headers={"authorization": f"Bearer {KEY}"},
-    ).json()["tokens"]
+    with httpx.Client() as http:
+        ids = http.post(
+            server.url + "/tokenize",
+            json={"messages": turn, "tools": TOOLS},
+            headers={"authorization": f"Bearer {KEY}"},
+        ).json()["tokens"]
     tok = Tokenizer.from_dir(model)
     turn[1]["reasoning_content"] = "Need the weather."
     text, contents = render(turn, [t["function"] for t in TOOLS])
@@ -195,18 +207,21 @@ def test_messages_api_thinking_and_tool_use(answering, calling):
     import anthropic
 
     server, _ = answering
-    client = anthropic.Anthropic(base_url=server.url, api_key=KEY)
-    r = client.messages.create(
-        model=MODEL, max_tokens=32, messages=[{"role": "user", "content": "2 + 2?"}]
-    )
+    with anthropic.Anthropic(base_url=server.url, api_key=KEY) as client:
+        r = client.messages.create(
+            model=MODEL, max_tokens=32, messages=[{"role": "user", "content": "2 + 2?"}]
+        )
     blocks = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in r.content]
     assert blocks == [("thinking", THINK), ("text", ANSWER)]
     server, _ = calling
-    client = anthropic.Anthropic(base_url=server.url, api_key=KEY)
     tool = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
-    r = client.messages.create(
-        model=MODEL, max_tokens=32, tools=[tool], messages=[{"role": "user", "content": "Weather?"}]
-    )
+    with anthropic.Anthropic(base_url=server.url, api_key=KEY) as client:
+        r = client.messages.create(
+            model=MODEL,
+            max_tokens=32,
+            tools=[tool],
+            messages=[{"role": "user", "content": "Weather?"}],
+        )
     (use,) = [b for b in r.content if b.type == "tool_use"]
     assert use.name == "get_weather" and use.input == {"city": "Paris"}
     assert r.stop_reason == "tool_use"
@@ -220,13 +235,13 @@ def test_the_other_apis_take_an_effort_for_the_system_message(answering):
         model=MODEL, input="Hi", reasoning={"effort": "high"}, max_output_tokens=32
     )
     assert r.output_text == ANSWER
-    client = anthropic.Anthropic(base_url=server.url, api_key=KEY)
-    r = client.messages.create(
-        model=MODEL,
-        max_tokens=32,
-        messages=[{"role": "user", "content": "Hi"}],
-        extra_body={"output_config": {"effort": "low"}},
-    )
+    with anthropic.Anthropic(base_url=server.url, api_key=KEY) as client:
+        r = client.messages.create(
+            model=MODEL,
+            max_tokens=32,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"output_config": {"effort": "low"}},
+        )
     assert r.content[-1].text == ANSWER
     with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
         _client(server).responses.create(
@@ -279,11 +294,11 @@ def test_the_other_apis_stream_reasoning_and_calls(answering, calling):
     reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert (reasoning, text) == (THINK, ANSWER)
-    client = anthropic.Anthropic(base_url=server.url, api_key=KEY)
-    with client.messages.stream(
-        model=MODEL, max_tokens=32, messages=[{"role": "user", "content": "2 + 2?"}]
-    ) as stream:
-        final = stream.get_final_message()
+    with anthropic.Anthropic(base_url=server.url, api_key=KEY) as client:
+        with client.messages.stream(
+            model=MODEL, max_tokens=32, messages=[{"role": "user", "content": "2 + 2?"}]
+        ) as stream:
+            final = stream.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[1].text == ANSWER
     server, _ = calling

@@ -171,13 +171,16 @@ class HarmonyParser:
         self.buf = self.buf[len(self.buf) - keep :]
 
     def _between(self, out: Released, final: bool) -> None:
-        if self.buf.startswith(START):
-            self.buf = self.buf[len(START) :]
+        at = self.buf.find(START)
+        # Text outside any message is the answer's, as it stands.
+        if at >= 0:
+            out.content += self.buf[:at]
+            self.buf = self.buf[at + len(START) :]
             self.at = "header"
-        elif self.buf and not START.startswith(self.buf):
-            # Text outside any message: the answer's, as it stands.
-            out.content += self.buf
-            self.buf = ""
+            return
+        keep = 0 if final else _held(self.buf)
+        out.content += self.buf[: len(self.buf) - keep]
+        self.buf = self.buf[len(self.buf) - keep :]
 
     def _recipient(self) -> str | None:
         return None if self.header is None else self.header.recipient
