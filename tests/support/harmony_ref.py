@@ -5,6 +5,7 @@ tiktoken's cache entry (checked against openai-harmony's own sha256 before use).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -21,10 +22,18 @@ CACHE = Path(os.environ.get("KERN_TEST_CACHE", Path.home() / ".cache" / "kern-te
 
 
 def o200k_file() -> Path:
-    """The o200k_base.tiktoken file, fetched once into the test cache."""
+    """The o200k_base.tiktoken file, fetched once into the test cache (one test worker at a
+    time: the others wait on the lock, then find it there)."""
     out = CACHE / "o200k" / "o200k_base.tiktoken"
-    if out.is_file() and _sha256(out) == O200K_SHA256:
-        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.is_file() and _sha256(out) == O200K_SHA256:
+            return out
+        return _fetch(out)
+
+
+def _fetch(out: Path) -> Path:
     wheels = CACHE / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     subprocess.run(
