@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from support.release import rewrite
 
 from kern.checkpoint.config import parse_config
 from kern.checkpoint.errors import CheckpointError, TensorError, TensorShapeError
@@ -141,20 +142,6 @@ def test_the_release_mxfp4_layout_answers_like_transformers_dequantising_loader(
     assert generate(ckpt, ids, 24, page_tokens=PAGE).ids == ref[0, 41:].tolist()
 
 
-def _rewrite(src: Path, dst: Path, change) -> Path:
-    """``src``'s release folder as one file, its tensors changed by ``change``."""
-    shutil.copytree(src, dst)
-    tensors = {}
-    for file in sorted(dst.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
-        file.unlink()
-    (dst / "model.safetensors.index.json").unlink()
-    change(tensors)
-    save_file(tensors, str(dst / "model.safetensors"))
-    return dst
-
-
 def test_misshapen_or_unscaled_experts_are_refused_by_name(saved, tmp_path):
     _, _, release = saved
     blocks = "model.layers.1.mlp.experts.gate_up_proj_blocks"
@@ -163,13 +150,13 @@ def test_misshapen_or_unscaled_experts_are_refused_by_name(saved, tmp_path):
         t[blocks] = t[blocks][:, :, :2].clone()
 
     with pytest.raises(TensorShapeError, match=rf"'{blocks}' has shape \[6, 64, 2, 16\]"):
-        load_checkpoint(_rewrite(release, tmp_path / "shrunk", shrink))
+        load_checkpoint(rewrite(release, tmp_path / "shrunk", shrink))
 
     def unscale(t):
         del t["model.layers.1.mlp.experts.gate_up_proj_scales"]
 
     with pytest.raises(TensorError, match=rf"'{blocks}' is U8 without a 2-d block scale"):
-        load_checkpoint(_rewrite(release, tmp_path / "unscaled", unscale))
+        load_checkpoint(rewrite(release, tmp_path / "unscaled", unscale))
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
+from support.release import rewrite
 
 from kern.checkpoint.config import parse_config
 from kern.checkpoint.errors import CheckpointError, TensorShapeError, UnsupportedModelError
@@ -146,20 +146,6 @@ def test_the_release_layout_reads_as_the_saved_tensors(release):
     assert generate(a, ids, 8, page_tokens=PAGE).ids == generate(b, ids, 8, page_tokens=PAGE).ids
 
 
-def _rewrite(src: Path, dst: Path, change) -> Path:
-    """``src``'s release folder with its (single-file) tensors changed by ``change``."""
-    shutil.copytree(src, dst)
-    tensors = {}
-    for file in sorted(dst.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
-        file.unlink()
-    (dst / "model.safetensors.index.json").unlink()
-    change(tensors)
-    save_file(tensors, str(dst / "model.safetensors"))
-    return dst
-
-
 def test_a_misshapen_or_doubled_fused_tensor_is_refused_by_name(release, tmp_path):
     _, fused = release
     name = "model.language_model.layers.1.mlp.experts.gate_up_proj"
@@ -168,13 +154,13 @@ def test_a_misshapen_or_doubled_fused_tensor_is_refused_by_name(release, tmp_pat
         t[name] = t[name][:5].clone()
 
     with pytest.raises(TensorShapeError, match=rf"'{name}' has shape \[5, 48, 48\], expected"):
-        load_checkpoint(_rewrite(fused, tmp_path / "shrunk", shrink))
+        load_checkpoint(rewrite(fused, tmp_path / "shrunk", shrink))
 
     def double(t):
         t["model.language_model.layers.1.mlp.experts.2.up_proj.weight"] = t[name][2, 24:].clone()
 
     with pytest.raises(CheckpointError, match=r"experts.2.up_proj.weight"):
-        load_checkpoint(_rewrite(fused, tmp_path / "doubled", double))
+        load_checkpoint(rewrite(fused, tmp_path / "doubled", double))
 
 
 @pytest.mark.parametrize(

@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
 from kern.tiny import make_tiny
+from support.scripted_model import chain_weights
 
-__all__ = ["MARGIN", "make_scripted_harmony"]
+__all__ = ["make_scripted_harmony"]
 
-MARGIN = 20.0
 START_TOKEN = "assistant"
 
 
@@ -47,21 +46,6 @@ def make_scripted_harmony(out: Path, pieces: list[str], end: str) -> Path:
     (out / "config.json").write_text(json.dumps(model, indent=2) + "\n")
 
     chain = list(zip(plain, [*pieces, end], strict=True))
-    tensors = load_file(str(out / "model.safetensors"))
-    hidden = model["hidden_size"]
-    embed = tensors["model.embed_tokens.weight"][:0].new_zeros(vocab, hidden)
-    head = embed.clone()
-    embed[:, 0] = 1.0  # every token the script does not name: its successor is the end
-    head[ids[end], 0] = MARGIN
-    for k, (token, following) in enumerate(chain, start=1):
-        embed[ids[token]] = 0.0
-        embed[ids[token], k] = 1.0
-        head[ids[following], k] = MARGIN
-    tensors["model.embed_tokens.weight"] = embed.contiguous()
-    tensors["lm_head.weight"] = head.contiguous()
-    tensors["model.norm.weight"] = tensors["model.norm.weight"].new_ones(hidden)
-    for name in list(tensors):
-        if name.endswith(("o_proj.weight", "o_proj.bias", "experts.down_proj", "down_proj_bias")):
-            tensors[name] = tensors[name].new_zeros(tensors[name].shape)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    zeroed = ("o_proj.weight", "o_proj.bias", "experts.down_proj", "down_proj_bias")
+    chain_weights(out, ids, chain, end, vocab, zeroed)
     return out

@@ -38,7 +38,15 @@ from tokenizers import AddedToken, Tokenizer
 
 from kern.tiny import make_tiny
 
-__all__ = ["ANSWER_MARK", "CALL_MARK", "CHAT_TEMPLATE", "MARGIN", "call_text", "make_scripted"]
+__all__ = [
+    "ANSWER_MARK",
+    "CALL_MARK",
+    "CHAT_TEMPLATE",
+    "MARGIN",
+    "call_text",
+    "chain_weights",
+    "make_scripted",
+]
 
 CALL_MARK = "<|script_call|>"
 ANSWER_MARK = "<|script_answer|>"
@@ -145,13 +153,29 @@ def make_scripted(
         (ANSWER_MARK, answer),
         (answer, EOS),
     ]
+    chain_weights(out, ids, chain, EOS, vocab, ("o_proj.weight", "down_proj.weight"))
+    return out
+
+
+def chain_weights(
+    out: Path,
+    ids: dict[str, int],
+    chain: list[tuple[str, str]],
+    end: str,
+    vocab: int,
+    zeroed: tuple[str, ...],
+) -> None:
+    """Rewrite ``out``'s weights as the Markov chain (see the notes): each ``(token,
+    following)`` of ``chain`` a state of its own, every other token state 0 (followed by
+    ``end``); the tensors whose names end with ``zeroed`` (what writes into the residual
+    stream) all zeros."""
     tensors = load_file(str(out / "model.safetensors"))
-    hidden = model["hidden_size"]
+    hidden = tensors["model.norm.weight"].shape[0]
     assert len(chain) < hidden
     embed = tensors["model.embed_tokens.weight"][:0].new_zeros(vocab, hidden)
     head = embed.clone()
     embed[:, 0] = 1.0  # state 0: every token the script does not name
-    head[ids[EOS], 0] = MARGIN
+    head[ids[end], 0] = MARGIN
     for k, (token, following) in enumerate(chain, start=1):
         embed[ids[token]] = 0.0
         embed[ids[token], k] = 1.0
@@ -160,7 +184,6 @@ def make_scripted(
     tensors["lm_head.weight"] = head.contiguous()
     tensors["model.norm.weight"] = tensors["model.norm.weight"].new_ones(hidden)
     for name in list(tensors):
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(zeroed):
             tensors[name] = tensors[name].new_zeros(tensors[name].shape)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
