@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -133,6 +134,38 @@ def speed_rows(model: Path, prompt_len: int, steps: int, repeat: int) -> list[st
         f"{tps['kern'] / tps['hf']:.2f}x |"
     )
     return rows
+
+
+def family_bench(
+    argv: list[str] | None, module: str, doc: str, rows: Callable[[], list[str]], families
+) -> int:
+    """``python -m kern.bench.<module>`` of families with no --model: the bytes table
+    ``rows`` gives at the released dims, then each family's tiny model (seed 0) beside
+    transformers (:func:`speed_rows`)."""
+    p = argparse.ArgumentParser(prog=f"python -m kern.bench.{module}", description=doc)
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--steps", type=int, default=64, help="greedy tokens (default 64)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(
+        f"kern.bench.{module}: torch {torch.__version__}, {args.threads} threads, load "
+        f"average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n"
+    )
+    print("## Bytes at the released dims (bf16)\n")
+    print("\n".join(rows()))
+    from kern.tiny import make_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families:
+            model = make_tiny(family, Path(tmp) / family, seed=0)
+            print(
+                f"\n## CPU, make-tiny {family} (seed 0), against transformers "
+                f"(float32, best of {args.repeat})\n"
+            )
+            print("\n".join(speed_rows(model, args.prompt, args.steps, args.repeat)))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,14 +11,9 @@
 
 from __future__ import annotations
 
-import argparse
-import os
-import tempfile
-from pathlib import Path
-
 import torch
 
-from kern.bench.kimi import speed_rows
+from kern.bench.kimi import family_bench
 from kern.checkpoint.config import parse_config
 from kern.engine.layout import Layout
 
@@ -85,32 +80,8 @@ def bytes_rows() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m kern.bench.qwen_moe", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
-    p.add_argument("--steps", type=int, default=64, help="greedy tokens (default 64)")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    print(
-        f"kern.bench.qwen_moe: torch {torch.__version__}, {args.threads} threads, load average "
-        f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs\n"
-    )
-    print("## Bytes at the released dims (bf16)\n")
-    print("\n".join(bytes_rows()))
-    from kern.tiny import make_tiny
-
-    with tempfile.TemporaryDirectory() as tmp:
-        for family in ("qwen3_next", "qwen3_5_moe"):
-            model = make_tiny(family, Path(tmp) / family, seed=0)
-            print(
-                f"\n## CPU, make-tiny {family} (seed 0), against transformers "
-                f"(float32, best of {args.repeat})\n"
-            )
-            print("\n".join(speed_rows(model, args.prompt, args.steps, args.repeat)))
-    return 0
+    families = ("qwen3_next", "qwen3_5_moe")
+    return family_bench(argv, "qwen_moe", __doc__.split("\n")[0], bytes_rows, families)
 
 
 if __name__ == "__main__":
