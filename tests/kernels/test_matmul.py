@@ -70,3 +70,25 @@ def test_mistakes_are_named():
     with pytest.raises(ValueError, match="same dtype"):
         matmul.linear(torch.randn(2, 8), torch.randn(4, 8).bfloat16())
     assert matmul.linear(torch.randn(0, 8), torch.randn(4, 8)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("m", "inter", "k"),
+    [(1, 48, 80), (5, 128, 130), (70, 40, 64), (3, 32, 8300)],
+    ids=["M1-I48", "M5-I128", "M70-I40-tile-across-gate-and-up", "M3-K8300-split"],
+)
+def test_linear_silu_and_mul_is_the_two_launches_bit_for_bit(m, inter, k, dtype):
+    """The fused gate_up linear and SwiGLU give the unfused pair's bits (the gate_up linear at
+    its own tile, then silu_and_mul), and the references' within rounding."""
+    from kern.kernels.silu_and_mul import silu_and_mul
+
+    x = torch.randn(m, k).to(dtype)
+    w = (torch.randn(2 * inter, k) / k**0.5).to(dtype)
+    got = matmul.linear_silu_and_mul(x, w)
+    assert got.shape == (m, inter) and got.dtype == dtype
+    assert torch.equal(got, silu_and_mul.silu_and_mul(matmul.linear(x, w)))
+    want = reference.linear_silu_and_mul(x, w)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="want \\[M, K\\], \\[2 I, K\\]"):
+        matmul.linear_silu_and_mul(x, w[:-1])

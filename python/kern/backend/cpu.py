@@ -142,6 +142,10 @@ class CpuOps:
             out += bias
         return out
 
+    def linear_silu_and_mul(self, x: Tensor, w: CpuLinear) -> Tensor:
+        """silu_and_mul(linear(x, w)) for a gate-then-up weight (the CUDA backend fuses them)."""
+        return self.silu_and_mul(self.linear(x, w))
+
     def prepare_norm(self, w: Tensor, offset: float = 0.0) -> Tensor:
         """An RMSNorm weight with its offset folded in: ``offset + w``, the very tensor the
         reference multiplies by, computed once instead of per call."""

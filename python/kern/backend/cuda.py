@@ -64,6 +64,11 @@ class CudaOps:
     def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
         return self._matmul.linear(x, w, bias)
 
+    def linear_silu_and_mul(self, x: Tensor, w: Tensor) -> Tensor:
+        """silu_and_mul(linear(x, w)) for a gate-then-up weight, in one launch (the bits of
+        the two: ``kern.kernels.matmul``)."""
+        return self._matmul.linear_silu_and_mul(x, w)
+
     def prepare_norm(self, w: Tensor, offset: float = 0.0):
         # The kernel takes the stored weight and the offset; a [H, D] stacked weight (fused
         # q/k norms) is not a kernel shape, so it is kept as rows and applied per head group.

@@ -86,6 +86,80 @@ def linear_kernel(
         tl.store(y + o_m[:, None] * stride_y + o_n[None, :], acc.to(y.dtype.element_ty), mask=m_y)
 
 
+@triton.jit(do_not_specialize=["M"])
+def linear_silu_and_mul_kernel(
+    x,
+    w,
+    y,
+    M,
+    INTER,
+    K,
+    stride_x,
+    stride_w,
+    stride_y,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # linear_kernel's sums for BN gate columns and the matching BN up columns (rows INTER
+    # on of w), each rounded to y's dtype as the linear stores it, then silu(gate) * up in
+    # float32 as silu_and_mul_kernel computes it: the two launches' bits in one
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_m, m_n = o_m < M, o_n < INTER
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        p_x = x + o_m[:, None] * stride_x + o_k[None, :]
+        b_x = tl.load(p_x, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        m_w = m_k[:, None] & m_n[None, :]
+        p_w = w + o_n[None, :] * stride_w + o_k[:, None]
+        acc_g += dot(b_x, tl.load(p_w, mask=m_w, other=0.0))
+        acc_u += dot(b_x, tl.load(p_w + INTER * stride_w, mask=m_w, other=0.0))
+    b_g = acc_g.to(y.dtype.element_ty).to(tl.float32)
+    b_u = acc_u.to(y.dtype.element_ty).to(tl.float32)
+    b_y = b_g * tl.sigmoid(b_g) * b_u
+    m_y = m_m[:, None] & m_n[None, :]
+    tl.store(y + o_m[:, None] * stride_y + o_n[None, :], b_y.to(y.dtype.element_ty), mask=m_y)
+
+
+def linear_silu_and_mul(x: Tensor, w: Tensor) -> Tensor:
+    """See `reference.linear_silu_and_mul`: x [M, K] by the gate-then-up weight w [2 I, K]
+    -> [M, I], one launch where `linear` then `silu_and_mul` take two, with their bits (the
+    tile is the gate_up linear's, :func:`tile` of [2 I, K]; a weight whose tile splits K
+    takes the two launches)."""
+    check_device(x, w)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or w.shape[0] % 2:
+        raise ValueError(
+            f"linear_silu_and_mul of x {tuple(x.shape)} by w {tuple(w.shape)}: want [M, K], "
+            "[2 I, K]"
+        )
+    if x.dtype != w.dtype:
+        raise ValueError(f"linear of {x.dtype} x by {w.dtype} w: the same dtype is required")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    m, k = x.shape
+    inter = w.shape[0] // 2
+    bm, bn, bk, warps, stages, splits = tile(w.shape[0], k)
+    if splits > 1:
+        from ..silu_and_mul.silu_and_mul import silu_and_mul
+
+        return silu_and_mul(linear_tiled(x, w, None, (bm, bn, bk, warps, stages, splits)))
+    y = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    linear_silu_and_mul_kernel[(triton.cdiv(m, bm), triton.cdiv(inter, bn))](
+        x, w, y, m, inter, k, x.stride(0), w.stride(0), inter,
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
 @triton.jit(do_not_specialize=["MN"])
 def add_partials_kernel(
     parts, b, y, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr

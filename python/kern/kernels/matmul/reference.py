@@ -10,3 +10,11 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
+
+
+def linear_silu_and_mul(x: Tensor, w: Tensor) -> Tensor:
+    """x [M, K] by the gate-then-up weight w [2 I, K] -> [M, I]: :func:`linear`, then
+    ``silu_and_mul``'s reference on it (what the fused kernel computes)."""
+    from ..silu_and_mul.reference import silu_and_mul
+
+    return silu_and_mul(linear(x, w))

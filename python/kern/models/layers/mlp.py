@@ -22,4 +22,4 @@ class DenseMLP:
 
     def __call__(self, x: Tensor) -> Tensor:
         ops = self.ops
-        return ops.linear(ops.silu_and_mul(ops.linear(x, self.w_gate_up)), self.w_down)
+        return ops.linear(ops.linear_silu_and_mul(x, self.w_gate_up), self.w_down)
