@@ -53,7 +53,9 @@ class SparseMoE:
         self.num_experts = spec.num_experts
         self.norm_topk_prob = spec.norm_topk_prob
         self.w_router = ops.prepare_linear(t[f"{prefix}gate.weight"])
-        self.act = ops.silu_and_mul  # an expert's activation on its gate | up columns
+        # An expert's activation on its gate | up columns; None: SwiGLU, which the gate_up
+        # linear computes in the same launch (ops.linear_silu_and_mul).
+        self.act: Any = None
         self.w_gate_up: dict[int, Any] = {}
         self.w_down: dict[int, Any] = {}
         # Per-expert biases (gpt-oss's); Qwen's and DeepSeek's experts have none.
@@ -94,7 +96,10 @@ class SparseMoE:
         for e, count in enumerate(counts):
             if count and e in self.w_down:
                 rows = xs[start : start + count]
-                h = self.act(ops.linear(rows, self.w_gate_up[e], self.b_gate_up.get(e)))
+                if self.act is None:  # SwiGLU, fused into the gate_up linear
+                    h = ops.linear_silu_and_mul(rows, self.w_gate_up[e])
+                else:
+                    h = self.act(ops.linear(rows, self.w_gate_up[e], self.b_gate_up.get(e)))
                 ys[start : start + count] = ops.linear(h, self.w_down[e], self.b_down.get(e))
             start += count
         y = torch.empty_like(ys)
