@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 from support.release import rewrite
@@ -24,8 +25,6 @@ from kern.engine.generate import generate
 from kern.engine.ranks.shard import Shard, load_shard
 from kern.models.gpt_oss.tiny import quantize
 from kern.tiny import make_tiny
-
-transformers = pytest.importorskip("transformers")
 
 PAGE = 16
 VOCAB = 512

@@ -124,10 +124,10 @@ class HarmonyParser:
         self.buf = ""
         self.header: Header | None = None
         self.header_text = ""
-        self.body = ""  # a call's (or a message to a recipient's) body so far
         self.calls = 0
         self.cut = ""  # a call max_tokens cut off
-        self.text = ""  # the open message's body so far
+        # The open message's body so far, in pieces (joined once, when it closes).
+        self.pieces: list[str] = []
         # Every message read whole: its header (None: unreadable) and body.
         self.parsed: list[tuple[Header | None, str]] = []
         self.thinking = False  # in an analysis message's body
@@ -151,7 +151,7 @@ class HarmonyParser:
         self.header_text = self.buf[:at]
         self.header = parse_header(self.header_text)
         self.buf = self.buf[at + len(MESSAGE) :]
-        self.body = ""
+        self.pieces = []
         self.at = "body"
         self.messages += 1
         self.thinking = self.header is not None and self.header.channel == "analysis"
@@ -188,30 +188,30 @@ class HarmonyParser:
     def _text(self, out: Released, text: str) -> None:
         if not text:
             return
-        self.text += text
+        self.pieces.append(text)
         if self.header is None:  # an unreadable header: the whole message is content
             out.content += text
         elif self._recipient() is not None:
-            self.body += text  # a call: whole or not at all
+            pass  # a call: released whole or not at all, when it closes
         elif self.thinking:
             out.reasoning += text
         else:
             out.content += text
 
     def _close(self, out: Released, marker: str) -> None:
-        self.parsed.append((self.header, self.text))
-        self.text = ""
+        body = "".join(self.pieces)
+        self.pieces = []
+        self.parsed.append((self.header, body))
         recipient = self._recipient()
         if recipient is None:
             return
         name = recipient[len("functions.") :] if recipient.startswith("functions.") else ""
-        args = json_object(self.body) if name and self.take_calls else None
+        args = json_object(body) if name and self.take_calls else None
         if args is None:  # not a call kern declared: its message, verbatim
-            out.content += f"{self.header_text}{MESSAGE}{self.body}{marker}"
+            out.content += f"{self.header_text}{MESSAGE}{body}{marker}"
         else:
             out.calls.append(ToolCall(f"call_{self.calls}", name, args))
             self.calls += 1
-        self.body = ""
 
     @property
     def state(self) -> str:
@@ -221,16 +221,11 @@ class HarmonyParser:
 
     def _finish(self, out: Released, cut: bool) -> None:
         if self.at == "body":
-            if self._recipient() is not None:
-                if cut:
-                    self.cut = self.body
-                    self.text = ""
-                else:
-                    # <|call|> ended it (an end id, not in the text): nothing to add back
-                    self._close(out, "")
-            if self.text:  # a message the end cut short (or <|return|> ended)
-                self.parsed.append((self.header, self.text))
-                self.text = ""
+            if self._recipient() is not None and cut:
+                self.cut = "".join(self.pieces)
+            elif self._recipient() is not None or self.pieces:
+                # the end id (<|call|>, <|return|>) that closed it is not in the text
+                self._close(out, "")
             self.at = "between"
             self.thinking = False
         elif self.at == "header" and self.buf:
@@ -258,14 +253,9 @@ class Harmony(ChatFormat):
         return render(messages, **kwargs)
 
     def parse(self, text: str) -> list[ToolCall] | None:
-        """One call's text between ``calls_open`` and ``calls_close``: ``NAME
-        <|constrain|>json<|message|>ARGS``."""
-        head, sep, body = text.partition(MESSAGE)
-        header = parse_header(f"{CHANNEL}commentary to=functions.{head}")
-        args = json_object(body) if sep else None
-        if header is None or header.recipient is None or args is None:
-            return None
-        return [ToolCall("call_0", header.recipient[len("functions.") :], args)]
+        """One call's text between ``calls_open`` and ``calls_close`` (``NAME
+        <|constrain|>json<|message|>ARGS``), read as :class:`HarmonyParser` reads it."""
+        return HarmonyParser().feed(self.calls_open + text, final=True).calls or None
 
     def grammar(self, tools: list[dict[str, Any]], choice: str, parallel: bool) -> dict[str, Any]:
         """An answer that may reason first (an ``analysis`` message), then: for a named tool
@@ -304,9 +294,6 @@ class Harmony(ChatFormat):
         content = arguments_format(tool)
         tags = [{"type": "tag", "begin": b, "content": content, "end": CALL} for b in begins]
         return {"type": "or", "elements": tags}
-
-    def call_grammar(self, tool: dict[str, Any]) -> dict[str, Any]:
-        return self._call(tool)
 
 
 HARMONY = Harmony()

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from kern.models.config import ModelConfig
 
 __all__ = [
-    "read_stored",
     "FLOAT_DTYPES",
     "FP4",
     "FP8",
@@ -43,6 +42,7 @@ __all__ = [
     "dequantize",
     "num_bytes",
     "pair_scales",
+    "read_stored",
 ]
 
 
@@ -90,11 +90,15 @@ def read_stored(f: Any, entry: Entry) -> torch.Tensor:
     return t.t().contiguous() if entry.transposed else t
 
 
-def dequantize(weight: torch.Tensor, entry: Entry) -> torch.Tensor:
-    """A block-scaled FP8 (or FP4) weight in float32: each (b0 x b1) block times its scale."""
+def dequantize(weight: torch.Tensor, entry: Entry, f: Any = None) -> torch.Tensor:
+    """A block-scaled FP8 (or FP4) weight in float32: each (b0 x b1) block times its scale.
+    ``f``: the weight's file, open, read for the scales when they are stored beside it."""
     assert entry.scale is not None
-    with safe_open(str(entry.scale.file), framework="pt", device=str(weight.device)) as f:
+    if f is not None and entry.scale.file == entry.file:
         s = read_stored(f, entry.scale)
+    else:
+        with safe_open(str(entry.scale.file), framework="pt", device=str(weight.device)) as g:
+            s = read_stored(g, entry.scale)
     s = (s.float() - 127.0).exp2() if s.dtype == torch.uint8 else s.float()
     if entry.dtype in FP4_BYTES:
         values = torch.tensor(FP4_VALUES, dtype=torch.float32, device=weight.device)

@@ -211,7 +211,7 @@ def _whole(f: Any, entry: _Entry) -> torch.Tensor:
     """A fused tensor's piece (only its rows are read), a quantised tensor dequantised, or
     both (gpt-oss's MXFP4 experts)."""
     t = _read_stored(f, entry)
-    return t if entry.scale is None else _dequantize(t, entry)
+    return t if entry.scale is None else _dequantize(t, entry, f)
 
 
 def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, Path | None]:

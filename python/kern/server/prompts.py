@@ -183,14 +183,7 @@ class Prompts:
                 raise ApiError(
                     400, "this model's chat template does not render tools", param="tools"
                 )
-            kwargs["tools"] = [msgspec.to_builtins(t) for t in tools]
-            for i, t in enumerate(kwargs["tools"]):
-                if self.tokenizer.spells_control(msgspec.json.encode(t).decode()):
-                    raise ApiError(
-                        400,
-                        f"tools[{i}] spells a control token of the tokenizer",
-                        param=f"tools[{i}]",
-                    )
+            kwargs["tools"] = self._plain_tools([msgspec.to_builtins(t) for t in tools])
         try:
             text = self.tokenizer.apply_chat_template(
                 dicts, add_generation_prompt is not False, **kwargs
@@ -198,6 +191,16 @@ class Prompts:
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         return text, contents
+
+    def _plain_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``tools``, refused (naming the first) if one spells a control token: the prompt
+        would turn its text into markup."""
+        for i, t in enumerate(tools):
+            if self.tokenizer.spells_control(msgspec.json.encode(t).decode()):
+                raise ApiError(
+                    400, f"tools[{i}] spells a control token of the tokenizer", param=f"tools[{i}]"
+                )
+        return tools
 
     def render_harmony(
         self,
@@ -237,14 +240,7 @@ class Prompts:
         dicts = [msgspec.to_builtins(m) for m in messages]
         for d, m in zip(dicts, messages, strict=True):
             d["content"] = m.text()
-        specs = []
-        for i, t in enumerate(tools or ()):
-            spec = msgspec.to_builtins(t.function)
-            if self.tokenizer.spells_control(msgspec.json.encode(spec).decode()):
-                raise ApiError(
-                    400, f"tools[{i}] spells a control token of the tokenizer", param=f"tools[{i}]"
-                )
-            specs.append(spec)
+        specs = self._plain_tools([msgspec.to_builtins(t.function) for t in tools or ()])
         try:
             return render_harmony(
                 dicts,

@@ -47,6 +47,7 @@ from kern.checkpoint.errors import CheckpointError
 from kern.tokenizer.stream import TextStream
 from kern.tokenizer.template import ChatTemplateError, compile_chat_template
 from kern.tokenizer.tiktoken import (
+    HARMONY_CALL,
     HARMONY_FILE,
     TIKTOKEN_FILE,
     harmony_backend,
@@ -55,14 +56,12 @@ from kern.tokenizer.tiktoken import (
 )
 from kern.tokenizer.token_bytes import bytes_to_unicode
 
-# gpt-oss's tokenizer_config.json values, for an o200k_base.tiktoken folder without one; and
-# <|call|>, which ends an assistant's tool call.
+# gpt-oss's tokenizer_config.json values, for an o200k_base.tiktoken folder without one.
 _HARMONY_CONFIG = {
     "bos_token": "<|startoftext|>",
     "eos_token": "<|return|>",
     "pad_token": "<|endoftext|>",
 }
-_HARMONY_CALL = 200012
 
 __all__ = ["ChatTemplateError", "TextStream", "Tokenizer", "compile_chat_template"]
 
@@ -150,7 +149,7 @@ class Tokenizer:
             backend = harmony_backend(path)
             # gpt-oss's own tokenizer_config says the same; a folder may have none.
             config = {**_HARMONY_CONFIG, **config}
-            extra_eos_token_ids = (*extra_eos_token_ids, _HARMONY_CALL)
+            extra_eos_token_ids = (*extra_eos_token_ids, HARMONY_CALL)
         else:
             raise missing_tokenizer_error(path, config)
         special: dict[str, str] = {}

@@ -50,17 +50,18 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from kern.checkpoint.errors import CheckpointError, MissingFileError, UnsupportedTokenizerError
 
 __all__ = [
+    "HARMONY_CALL",
     "HARMONY_FILE",
-    "O200K_PATTERN",
-    "harmony_backend",
     "KIMI_PATTERN",
     "KIMI_TOKENIZER_CLASS",
     "NUM_SPECIAL_IDS",
     "TIKTOKEN_FILE",
     "format_ranks",
-    "kimi_backend",
     "kimi_special_tokens",
+    "harmony_backend",
     "missing_tokenizer_error",
+    "O200K_PATTERN",
+    "ranks_backend",
     "read_ranks",
     "tiktoken_backend",
 ]
@@ -118,6 +119,7 @@ HARMONY_SPECIALS = {
     200008: "<|message|>",
     200012: "<|call|>",
 }
+HARMONY_CALL = 200012  # <|call|>: ends an assistant's tool call, an end id beside <|return|>
 
 
 def read_ranks(file: Path) -> list[bytes]:
@@ -255,7 +257,7 @@ def harmony_backend(folder: Path) -> tokenizers.Tokenizer:
         HARMONY_SPECIALS.get(i, f"<|reserved_{i}|>")
         for i in range(HARMONY_FIRST_SPECIAL, HARMONY_END)
     ]
-    return kimi_backend(tokens, specials, where=str(ranks_file), pattern=O200K_PATTERN)
+    return ranks_backend(tokens, specials, where=str(ranks_file), pattern=O200K_PATTERN)
 
 
 def tiktoken_backend(folder: Path, config: Mapping[str, Any]) -> tokenizers.Tokenizer:
@@ -281,10 +283,10 @@ def tiktoken_backend(folder: Path, config: Mapping[str, Any]) -> tokenizers.Toke
         )
     tokens = read_ranks(ranks_file)
     specials = kimi_special_tokens(config, config_file, ranks_file, len(tokens))
-    return kimi_backend(tokens, specials, where=str(ranks_file))
+    return ranks_backend(tokens, specials, where=str(ranks_file))
 
 
-def kimi_backend(
+def ranks_backend(
     tokens: Sequence[bytes], specials: Sequence[str], *, where: str, pattern: str = KIMI_PATTERN
 ) -> tokenizers.Tokenizer:
     """A byte-level BPE equal to tiktoken's over ``tokens`` (rank order) with the split
