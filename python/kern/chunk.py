@@ -25,6 +25,10 @@ class SeqChunk:
         (page ``i`` holds positions ``i * page_tokens ..``); the runner never reads past them.
     slot: the recurrent-state slot (stateful models only). A chunk with ``start_pos == 0``
         starts from a zero state: the runner clears the slot first.
+    window: the window pages (a page kind with them, ``kern.models.pages``): index ``j`` holds
+        positions ``j * window_tokens ..``, -1 where given back; the runner reads only those
+        the chunk's rows reach. None on a runner that owns its memory: derived from
+        ``block_table``.
     logits: ``"last"`` (the chunk completes a prompt or is a decode step), ``"all"`` (verify:
         one row of logits per token) or ``"none"`` (a prompt chunk with more to come). On a
         stateful model an ``"all"`` chunk also keeps the state after each of its rows until
@@ -36,3 +40,4 @@ class SeqChunk:
     block_table: Sequence[int]
     slot: int | None = None
     logits: LogitsMode = "last"
+    window: Sequence[int] | None = None

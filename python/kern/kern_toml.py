@@ -8,6 +8,7 @@ device = "cpu"
 pool_bytes = "1GiB"                # device budget for KV pages and states
 host_bytes = "4GiB"                # host tier for parked cache entries; 0 = none
 page_tokens = 16
+snapshot_pages = 4                 # window models (deepseek_v4): a prefill snapshot every N pages
 rows = [1, 4]                      # decode row shapes; kern run and serve use the widest
 draft = "ngram"                    # drafter at rows > 1 (default); "mtp"; or a checkpoint
 ranks = 1                          # processes (tensor / expert parallel), see docs/serve.md
@@ -88,6 +89,7 @@ _TARGET_KEYS = (
     "pool_bytes",
     "host_bytes",
     "page_tokens",
+    "snapshot_pages",
     "rows",
     "draft",
     "ranks",
@@ -127,6 +129,10 @@ class Target:
     pool_bytes: int | None = None
     host_bytes: int = 0
     page_tokens: int = 16
+    # A model with window pages (kern.engine.window_pages) resumes only at a snapshot: its
+    # prefill leaves one every this many pages (where a window page ends too); None: 1. Refused
+    # for other models.
+    snapshot_pages: int | None = None
     # Row shapes a decode step may verify (1 = plain decoding), ascending. A step at rows R
     # verifies the sequence's last token and R - 1 drafted tokens.
     rows: tuple[int, ...] = (1,)
@@ -281,6 +287,9 @@ def _target(path: Path, name: str, table: dict[str, Any]) -> Target:
         pool_bytes=None if pool is None else parse_bytes(pool, f"{where}.pool_bytes", minimum=1),
         host_bytes=parse_bytes(table.get("host_bytes", 0), f"{where}.host_bytes", minimum=0),
         page_tokens=_pos_int(table, "page_tokens", where, 16),
+        snapshot_pages=(
+            _pos_int(table, "snapshot_pages", where, 1) if "snapshot_pages" in table else None
+        ),
         rows=tuple(sorted(set(rows_list))),
         draft=draft,
         ranks=_pos_int(table, "ranks", where, 1),

@@ -35,6 +35,7 @@ def load(
     pool_bytes: int,
     host_bytes: int = 0,
     page_tokens: int = 16,
+    snapshot_pages: int | None = None,
 ) -> Engine:
     target = Target(
         name="t",
@@ -42,6 +43,7 @@ def load(
         pool_bytes=pool_bytes,
         host_bytes=host_bytes,
         page_tokens=page_tokens,
+        snapshot_pages=snapshot_pages,
     )
     return Engine.load(target)
 
@@ -107,9 +109,9 @@ class Harness:
 
     def check_books(self) -> None:
         """The cache's integrity, and the requests' holdings against its counters: slots
-        exactly (a request's slot is its own, never the tree's), pages within what the tree
-        and the running requests can hold (a running request's prefix pages are the tree's),
-        nothing held by a waiting request."""
+        exactly (a request's slot and window pages are its own, never the tree's), pages
+        within what the tree and the running requests can hold (a running request's prefix
+        pages are the tree's), nothing held by a waiting request."""
         self.cache.check_integrity()
         s = self.cache.stats()
         running = self.sched._running
@@ -125,13 +127,16 @@ class Harness:
         drafted = [p for r in running for p in draft_of(r).table]
         assert len(set(drafted)) == len(drafted), "a draft page held by two requests"
         assert s.resident_pages <= s.pages_used <= s.resident_pages + listed
-        slots = sum(r.slot is not None for r in running)
+        # Window pages (kern.engine.window_pages): a request's own, never the tree's.
+        windows = [p for r in running for p in (r.window or []) if p >= 0]
+        assert len(set(windows)) == len(windows), "a window page held twice"
+        slots = sum(r.slot is not None for r in running) + len(windows)
         slots += sum(
             (draft_of(r).slot is not None) + (draft_of(r).saved is not None) for r in running
         )
         assert s.slots_used == s.resident_states + slots, (s.slots_used, s.resident_states, slots)
         for r in self.sched._waiting:
-            assert not r.block_table and r.slot is None and r.node is None
+            assert not r.block_table and r.slot is None and r.node is None and r.window is None
             d = draft_of(r)
             assert not d.table and d.computed == 0
             assert d.slot is None and d.saved is None

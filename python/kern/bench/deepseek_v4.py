@@ -1,20 +1,27 @@
 """DeepSeek-V4: ``python -m kern.bench.deepseek_v4``.
 
-1. Bytes at the released dims (bf16): a compressed page of 16 and of 128 tokens
-   (``Layout.of``) against the formula of ``kern.models.deepseek_v4.pages``, a token's share,
-   a million-token sequence, and vLLM's quoted figure for Pro beside it.
-2. CPU decode of the tiny config (``make-tiny deepseek_v4``, or ``--model``) at batch 1 and
+1. Bytes at the released dims (bf16): a page of 16 and of 128 tokens and a window page
+   (``Layout.of``), a million-token sequence running (its pages and the two window pages it
+   holds) against the compressed-entries-plus-one-window formula, and cached (its pages and
+   a snapshot every k lcm(page, window) tokens), with vLLM's quoted figure for Pro beside it.
+2. Prefix hits with snapshots every k = 1, 4, 16 (``--requests`` of ``kern.bench.prefix``'s
+   multi-turn trace, and its first turns alone: a shared system prompt and a question),
+   replayed through the cache's books as the scheduler places V4's snapshots, with the
+   tree's bytes at the released Flash dims, beside a hit at every page end (what keeping
+   every token's window entry bought).
+3. CPU decode of the tiny config (``make-tiny deepseek_v4``, or ``--model``) at batch 1 and
    ``--batch`` against transformers' ``DeepseekV4ForCausalLM.generate`` in the same run,
    float32, best of ``--repeat``: ``--steps`` greedy tokens after a ``--prompt``-token
    prefill (prompts of one length: transformers' compressors count left pads). The greedy
    answers must be equal.
-3. Prefill of ``--long`` tokens (in chunks of 512, as a server's step budget takes it) on
+4. Prefill of ``--long`` tokens (in chunks of 512, as a server's step budget takes it) on
    the tiny config, with the share of the time in the indexer (its pooling and its top-k).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import tempfile
 import time
@@ -56,30 +63,34 @@ def released(kinds: list[int], hidden: int, heads: int) -> dict:
 
 
 def bytes_rows() -> list[str]:
+    """A page, a window page, and a million-token sequence running and cached, at the
+    released dims, against the compressed-entries-plus-one-window formula."""
     rows = [
-        "| config | page tokens | page bytes | formula | bytes a token | a 1M-token sequence |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| config | page tokens | page bytes | window page bytes | running 1M-token sequence "
+        "| formula (entries + one window) | running / formula | cached, k = 1 / 4 / 16 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    d, di, item = 512, 128, 2
+    d, di, item, w, n = 512, 128, 2, 128, 10**6
     for name, kinds, hidden, heads in (("Flash", FLASH, 4096, 64), ("Pro", PRO, 7168, 128)):
         c = parse_config(released(kinds, hidden, heads))
         csa, hca = kinds.count(4), kinds.count(128)
+        entries = n * (csa * (d + di) * item / 4 + hca * d * item / 128)
+        formula = entries + len(kinds) * w * d * item
         for pt in (16, 128):
-            page = Layout.of(c, torch.bfloat16, pt).page_bytes
-            formula = (
-                16
-                + len(kinds) * pt * d * item
-                + csa * (pt // 4) * (d + di) * item
-                + hca * max(1, pt // 128) * d * item
-                + csa * 4 * 3 * 2 * (d + di)
-                + hca * 4 * 3 * d
+            layout = Layout.of(c, torch.bfloat16, pt)
+            page, window = layout.page_bytes, layout.state_bytes
+            pages = page * cdiv(n, pt)
+            running = pages + 2 * window  # the window's two pages: the last window, and now
+            every = math.lcm(pt, w)
+            cached = " / ".join(
+                f"{(pages + (n // (k * every) + 1) * window) / 2**30:.2f}" for k in (1, 4, 16)
             )
-            seq = page * cdiv(10**6, pt) / 2**30
             rows.append(
-                f"| {name} ({csa} CSA, {hca} HCA, {kinds.count(0)} sliding) | {pt} | "
-                f"{page:,} | {formula:,} | {page / pt:,.0f} | {seq:.1f} GiB |"
+                f"| {name} ({csa} CSA, {hca} HCA, {kinds.count(0)} sliding) | {pt} | {page:,} "
+                f"| {window:,} | {running / 2**30:.2f} GiB | {formula / 2**30:.2f} GiB | "
+                f"{running / formula:.3f} | {cached} GiB |"
             )
-    rows.append(f"| Pro, vLLM's quoted figure | | | | | {VLLM_PRO_GIB} GiB |")
+    rows.append(f"| Pro, vLLM's quoted figure | | | | {VLLM_PRO_GIB} GiB | | | |")
     return rows
 
 
@@ -183,6 +194,81 @@ def prefill_rows(model: Path, long: int) -> list[str]:
     ]
 
 
+def hit_rows(requests: int, page_tokens: int) -> list[str]:
+    """Hit rates of the prefix bench's multi-turn trace and of its first turns alone (a
+    shared system prompt and one question each), replayed through the cache's books as
+    kern's scheduler places V4's snapshots, at k = 1, 4, 16 and, for comparison, a hit at
+    every page end (what keeping every window entry bought)."""
+    from kern.bench.prefix import make_trace
+
+    c = parse_config(released(FLASH, 4096, 64))
+    layout = Layout.of(c, torch.bfloat16, page_tokens)
+    trace = make_trace(requests, seed=0)
+    window = layout.state_bytes
+    # A page that kept its tokens' window entries and its accumulators (kern before window
+    # pages): the header, the entries, and per layer a window entry a token and the states.
+    d, di, item = 512, 128, 2
+    states = FLASH.count(4) * 4 * 3 * 2 * (d + di) + FLASH.count(128) * 4 * 3 * d
+    kept = 16 + layout.page_bytes + len(FLASH) * page_tokens * d * item + states
+    # Each conversation's first request: its system prompt and one question.
+    first = sorted({s: r for r, s in reversed(list(enumerate(trace.req_session)))}.values())
+    rows = [
+        "| trace | snapshots | hit rate | tree pages | tree window pages | tree bytes |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    every_request = range(len(trace.req_session))
+    for name, reqs in (("multi-turn chat", every_request), ("system prompt", first)):
+        for k in (1, 4, 16, 0):
+            hit, total, stats = replay_snapshots(trace, list(reqs), layout, k)
+            tree = stats.resident_pages * layout.page_bytes + stats.resident_states * window
+            if not k:  # every page held its tokens' window entries and a state
+                tree = stats.resident_pages * kept
+            what = f"k = {k}" if k else "every page end (all windows kept)"
+            states = f"{stats.resident_states:,}" if k else "in the pages"
+            rows.append(
+                f"| {name} ({len(reqs)} requests) | {what} | {hit / total:.1%} | "
+                f"{stats.resident_pages:,} | {states} | {tree / 2**30:.2f} GiB |"
+            )
+    return rows
+
+
+def replay_snapshots(trace, reqs: list[int], layout: Layout, k: int):
+    """Each request of ``reqs`` in order: its hit (the deepest snapshot at most its prompt
+    but one token, ``Memory``'s rule), then the snapshots its run leaves (every k
+    lcm(page, window) tokens of prefill, the prompt's end but one, the request's end but one)
+    with the pages under them. ``k`` 0: every page end is a snapshot. A budget that holds
+    everything: the hit rate is the snapshots' placement alone."""
+    import numpy as np
+
+    from kern.pool import Cache
+
+    pt, w = layout.page_tokens, layout.pages.window_tokens
+    cache = Cache(
+        page_tokens=pt,
+        page_bytes=64,
+        device_bytes=1 << 34,
+        state_bytes=64,
+    )
+    every = math.lcm(pt, w) * k if k else pt
+    hit = total = 0
+    for r in reqs:
+        tokens = trace.sessions[trace.req_session[r]]
+        prompt, full = trace.req_prompt[r], trace.req_full[r]
+        m = cache.match(np.ascontiguousarray(tokens[: prompt - 1]))
+        got = m.state_len or 0
+        if m.node is not None:
+            cache.unlock(m.node)
+        hit += got
+        total += prompt
+        points = range(got // every * every + every, prompt, every)
+        for end in [*points, prompt - 1, full - 1]:
+            if end > got:
+                pages, _ = cache.take_pages(cdiv(end, pt))
+                cache.insert(np.ascontiguousarray(tokens[:end]), pages, cache.alloc_slot())
+    cache.check_integrity()
+    return hit, total, cache.stats()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m kern.bench.deepseek_v4", description=__doc__.split("\n")[0]
@@ -193,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32, help="the larger batch (default 32)")
     p.add_argument("--long", type=int, default=8192, help="the long prefill (default 8192)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument(
+        "--requests", type=int, default=2000, help="the hit-rate trace's requests (default 2000)"
+    )
+    p.add_argument(
+        "--page-tokens", type=int, default=128, help="the hit-rate replay's pages (default 128)"
+    )
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -202,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("## Bytes at the released dims (bf16)\n")
     print("\n".join(bytes_rows()))
+    print(
+        f"\n## Prefix hits by snapshot spacing: {args.requests} requests, pages of "
+        f"{args.page_tokens}, window pages of 128, tree bytes at Flash's dims\n"
+    )
+    print("\n".join(hit_rows(args.requests, args.page_tokens)))
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:

@@ -23,7 +23,7 @@ _SIZE_FLAGS = {
     "--kv-heads": ("kv_heads", "key/value heads"),
     "--head-dim": ("head_dim", "dims per attention head"),
     "--intermediate": ("intermediate", "dense MLP width (gpt_oss: each expert's)"),
-    "--sliding-window": ("sliding_window", "gpt_oss: keys a sliding layer sees"),
+    "--sliding-window": ("sliding_window", "gpt_oss, deepseek_v4: keys a sliding window holds"),
     "--vocab": ("vocab", "vocabulary size (tokenizer and embedding)"),
     "--experts": (
         "experts",

@@ -74,6 +74,12 @@ def _target_keys(p: argparse.ArgumentParser) -> None:
     )
     keys.add_argument("--page-tokens", type=argtypes.positive_int, metavar="N", help="default 16")
     keys.add_argument(
+        "--snapshot-pages",
+        type=argtypes.positive_int,
+        metavar="N",
+        help="deepseek_v4: a prefill snapshot a hit resumes from every N pages (default 1)",
+    )
+    keys.add_argument(
         "--threads", type=argtypes.positive_int, metavar="N", help=f"default {DEFAULT_THREADS}"
     )
     keys.add_argument(

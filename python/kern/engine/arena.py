@@ -63,6 +63,9 @@ class Placement:
     arena_bytes: int
     slot_offset: int = 0
     page_stride: int | None = None
+    # Window pages laid out by page (``kern.models.window.shadow_window``): an arena of the
+    # runner's own, whose chunks name no window table.
+    own_windows: bool = False
 
     @classmethod
     def of_pool(cls, g: pool.Geometry) -> Placement:
@@ -71,12 +74,18 @@ class Placement:
     @classmethod
     def separate(cls, layout: Layout, num_pages: int, num_slots: int) -> Placement:
         """``num_pages`` pages, then ``num_slots`` slots, in one buffer, none shared: for a
-        runner that owns its memory outright (``kern run``, tests, benchmarks)."""
-        num_slots = num_slots if layout.stateful else 0
+        runner that owns its memory outright (``kern run``, tests, benchmarks). A layout with
+        window pages gets ``cdiv(page_tokens, window_tokens)`` of them a page instead."""
+        windowed = layout.windowed
+        if windowed:
+            num_slots = num_pages * cdiv(layout.page_tokens, layout.pages.window_tokens)
+        num_slots = num_slots if layout.has_slots else 0
         stride = cdiv(layout.state_bytes, SLOT_ALIGN) * SLOT_ALIGN
         offset = cdiv(num_pages * layout.page_bytes, SLOT_ALIGN) * SLOT_ALIGN
         total = offset + num_slots * stride if num_slots else num_pages * layout.page_bytes
-        return cls(layout.page_bytes, num_pages, stride, num_slots, total, offset)
+        return cls(
+            layout.page_bytes, num_pages, stride, num_slots, total, offset, own_windows=windowed
+        )
 
 
 class Arena:
@@ -107,14 +116,14 @@ class Arena:
                 f"the pool cuts {placement.page_bytes}-byte pages, the layout needs "
                 f"{layout.page_bytes}"
             )
-        if layout.stateful and placement.slot_stride < layout.state_bytes:
+        if layout.has_slots and placement.slot_stride < layout.state_bytes:
             raise ValueError(
                 f"the pool's slots are {placement.slot_stride} bytes apart, a state needs "
                 f"{layout.state_bytes}"
             )
         self.layout = layout
         self.num_pages = placement.num_pages
-        self.num_slots = placement.num_slots if layout.stateful else 0
+        self.num_slots = placement.num_slots if layout.has_slots else 0
         stride = placement.page_stride or layout.page_bytes
         if stride < layout.page_bytes:
             raise ValueError(f"a page stride of {stride} bytes for {layout.page_bytes}-byte pages")
@@ -135,8 +144,9 @@ class Arena:
             stride = placement.slot_stride
             first = placement.slot_offset
             rows = self.buffer[first : first + self.num_slots * stride].view(self.num_slots, stride)
-            split = layout.delta_bytes
             self.slot_rows = rows[:, : layout.state_bytes]
+        if self.num_slots and layout.stateful:
+            split = layout.delta_bytes
             self.delta = rows[:, :split].view(torch.float32).view(-1, *layout.delta_shape)
             self.conv = (
                 rows[:, split : layout.state_bytes].view(layout.dtype).view(-1, *layout.conv_shape)

@@ -11,6 +11,9 @@ Design notes
   (``[linear layers, Hv, Dk, Dv]``, float32, as the delta rule keeps it), then the conv state
   (``[linear layers, C, K - 1]`` in the backend's dtype). Float32 first keeps both parts
   aligned at any slot stride the pool picks (a multiple of 16 bytes).
+* A page kind with window pages (DeepSeek-V4's, ``PageKind.window_tokens``) keeps them in
+  the slots instead: a window page is a slot (``state_bytes`` is its size), and the model
+  keeps no recurrent state (``stateful`` is False).
 * The pool places page ``p`` at byte ``p * page_bytes`` and slot ``s`` at ``s * slot_stride``
   of the same arena (``kern.pool.Geometry``), so these byte counts are the whole contract.
 """
@@ -78,6 +81,16 @@ class Layout:
         return bool(self.delta_shape)
 
     @property
+    def windowed(self) -> bool:
+        """Whether the page kind keeps window pages (in the slots)."""
+        return self.pages.window_tokens > 0
+
+    @property
+    def has_slots(self) -> bool:
+        """Whether the arena holds slots: recurrent states or window pages."""
+        return self.stateful or self.windowed
+
+    @property
     def page_bytes(self) -> int:
         return _numel(self.page_shape) * _itemsize(self.dtype)
 
@@ -91,7 +104,9 @@ class Layout:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of one slot's state (0 for a stateless model)."""
+        """Bytes of one slot: a recurrent state, or a window page (0: no slots)."""
+        if self.windowed:
+            return self.pages.window_bytes
         return self.delta_bytes + self.conv_bytes
 
 

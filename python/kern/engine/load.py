@@ -165,6 +165,7 @@ class Engine:
             metrics=metrics,
             on_crash=on_crash,
             drafter=drafter,
+            snapshot_pages=self.target.snapshot_pages or 1,
             **limits,
         )
 
@@ -198,7 +199,13 @@ def _cache(
                 key, value = "host_bytes", target.host_bytes
             except BudgetTooSmall:
                 pass
-        raise UsageError(f"{target.where(key)}: {key} = {value}: {e}") from None
+        why = ""
+        if layout.windowed and key == "pool_bytes":
+            why = (
+                f" (besides its pages, a sequence holds two window pages of "
+                f"{layout.state_bytes:,} bytes, kept as the pool's first slots)"
+            )
+        raise UsageError(f"{target.where(key)}: {key} = {value}: {e}{why}") from None
 
 
 def default_pool_bytes(device: torch.device) -> int:

@@ -27,62 +27,40 @@ Design notes
   pages and slots first (:meth:`Memory.drop_drafts`), so draft memory can never deadlock the
   target's; :meth:`Memory.take_draft_pages` and :meth:`Memory.take_draft_slot` serve a draft
   and never do. Draft pages are private to their request and never given to the tree.
-* Prefill pages are shared at once (stateless models): the full pages a prefill chunk
-  computed go into the tree right after the step, the request locking their node, so a
-  request that arrives while another with the same system prompt runs hits it.
-* Prompt-end snapshots (stateful models): a recurrent model resumes only where a state
-  snapshot sits, and the request-end one lies after the answer, so a repeated prompt would
-  hit nothing. The prefill is cut to stop one token short of the prompt's end (the token a
-  hit recomputes for its logits); right after that step the state is copied into a slot of
-  its own and given to the tree with the prompt's pages (the partial last page as a copy,
-  the request keeps writing its own), so the same prompt again resumes there. If no slot or
-  page can be had the snapshot is skipped: it is a cache, never a reason to wait.
+* Sharing with the tree while a request runs (prefill pages, prompt-end snapshots):
+  :class:`kern.engine.sharing.Sharing`, which memory is.
+* Window pages (DeepSeek-V4's): :class:`kern.engine.window_pages.WindowPages`, which
+  memory holds as ``windows``; such a model resumes only at a snapshot, as a stateful one.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Protocol
 
 from kern.arith import cdiv
+from kern.engine.mover import HitRule, Mover
 from kern.engine.request import Request
+from kern.engine.sharing import Sharing
+from kern.engine.window_pages import WindowPages
 from kern.metrics import Metrics
-from kern.pool import Cache, CopyPlan, Evicted, Match, PoolFull, Room, Stats, ids, u32
+from kern.pool import Cache, Evicted, Match, PoolFull, Room, Stats, ids, u32
 
 __all__ = ["HitRule", "Memory", "Mover"]
 
 
-class HitRule(Protocol):
-    """What memory asks of the runner's page kind (``kern.models.pages.Pages``): which prefix
-    hits a sequence may resume at."""
-
-    prompt_snapshots: bool
-
-    def hit_key(self, tokens: Sequence[int]) -> Sequence[int]: ...
-    def exact_hit(self, match: Match, hit: int) -> int: ...
-
-
-class Mover(Protocol):
-    """What memory asks of the runner (``kern.engine.runner.Runner``): the copies that land
-    the cache's plans and the copy-on-write of pages and slots, and its page kind's rules."""
-
-    stateful: bool
-    pages: HitRule
-
-    def park(self, plans: Sequence[CopyPlan]) -> None: ...
-    def wake(self, plan: CopyPlan) -> None: ...
-    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
-    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None: ...
-
-
-class Memory:
+class Memory(Sharing):
     """The cache's books for one scheduler, with ``runner`` landing their plans and
     ``metrics`` counting what they return. ``running`` is the scheduler's own list of running
     requests (read, never changed here): the requests whose drafts a target page may take."""
 
     def __init__(
-        self, cache: Cache, runner: Mover, metrics: Metrics, running: list[Request]
+        self,
+        cache: Cache,
+        runner: Mover,
+        metrics: Metrics,
+        running: list[Request],
+        snapshot_pages: int = 1,
     ) -> None:
         self.cache = cache
         self.runner = runner
@@ -90,7 +68,12 @@ class Memory:
         self.running = running
         self.page_tokens = cache.page_tokens
         self.stateful = runner.stateful
+        # Window pages (kern.engine.window_pages); a mover that predates them has none.
+        self.window: int = getattr(runner, "window_tokens", 0)
+        # Resumes only where a snapshot sits: a recurrent state, or a window.
+        self.snapshots = self.stateful or bool(self.window)
         self.hits = runner.pages
+        self.windows = WindowPages(self, snapshot_pages) if self.window else None
         # Every page the pool can give to requests (a stateful pool keeps its first slots).
         self.max_pages = cache.pages_free
         host = cache.host
@@ -142,7 +125,7 @@ class Memory:
         node = m.node  # locked by the caller's match; unlocked here unless admitted
         assert node is not None
         cap = len(req.tokens) - 1
-        if m.resident_len < hit or (self.stateful and m.state_slot is None):
+        if m.resident_len < hit or (self.snapshots and m.state_slot is None):
             if self.wake(node):
                 m = self.match(self._lookup(req))  # the woken pages, under their own lock
                 self.unlock(node)
@@ -152,12 +135,12 @@ class Memory:
             else:
                 # Without the parked part, a stateless hit keeps its resident prefix; a
                 # stateful one has no state to resume from.
-                hit = 0 if self.stateful else self._exact(m, min(hit, m.resident_len))
+                hit = 0 if self.snapshots else self._exact(m, min(hit, m.resident_len))
         if hit > 0 and self._start_at(req, m, node, hit):
             return True
         self.unlock(node)
         pt = self.page_tokens
-        if hit > 0 and not self.stateful and cdiv(m.resident_len, pt) <= hit // pt:
+        if hit > 0 and not self.snapshots and cdiv(m.resident_len, pt) <= hit // pt:
             # Unlocking gives the start without the hit at most the path's device pages, no
             # more than the hit's own: it cannot fit either. Trying would only park again what
             # a wake just brought back, at every step this request waits.
@@ -176,10 +159,22 @@ class Memory:
             slot = self.take_slot()
             if slot is None:
                 return False
+        window: list[int] = []
+        if self.window and hit:
+            # The window pages the hit's next token reads, each a copy of the snapshot.
+            w = self.window
+            lo = max(0, hit - w + 1) // w
+            assert self.windows is not None
+            got = self.windows.take((hit - 1) // w + 1 - lo)
+            if got is None:
+                return False
+            window = [-1] * lo + got
         own = self.take_pages(need)
         if own is None:
             if slot is not None:
                 self.free_slot(slot)
+            if self.windows is not None:
+                self.windows.free(window)
             return False
         if m is not None and hit % pt:
             # The hit's last page is shared with the tree: copy it before writing past the hit.
@@ -187,6 +182,10 @@ class Memory:
         if slot is not None and m is not None and hit:
             assert m.state_slot is not None
             self.runner.copy_slots([m.state_slot], [slot])
+        if window:
+            assert m is not None and m.state_slot is not None
+            self.runner.restore_window(m.state_slot, [p for p in window if p >= 0])
+        req.window = window if self.window else None
         req.block_table = shared + own
         req.node = node
         req.slot = slot
@@ -215,9 +214,10 @@ class Memory:
         return self.hits.exact_hit(m, hit)
 
     def _usable_hit(self, m: Match, cap: int) -> int:
-        if not self.stateful:
+        if not self.snapshots:
             return self._exact(m, min(m.hit_len, cap))
-        # A recurrent model resumes only from a state taken at exactly the hit length.
+        # A recurrent state or a window is resumed only from a snapshot taken at exactly the
+        # hit length.
         if m.state_len is None or m.state_len > cap:
             return 0
         return m.state_len
@@ -324,6 +324,8 @@ class Memory:
         keep, extra = req.block_table[:num_pages], req.block_table[num_pages:]
         node, req.node = req.node, None
         slot = req.slot
+        if self.windows is not None and req.window is not None:
+            slot = self.windows.release(req, snapshot)
         state = slot if (n > 0 and snapshot and slot is not None) else None
         # One call: the tree takes what it lacks and frees the rest (the request's duplicate
         # pages, and the slot when it already holds a snapshot at this length), the match's
@@ -364,74 +366,3 @@ class Memory:
         d.table = []
         d.computed = 0
         d.slot = d.saved = None
-
-    # --- sharing with the tree --------------------------------------------------------------
-
-    def share_prefill(self, req: Request) -> None:
-        """Give the full pages a prefill chunk just computed to the tree at once, so requests
-        arriving while this one runs hit them (a shared system prompt), not only after it
-        ends. The insert frees the request's copies of pages the tree already held, so the
-        request then reads the tree's pages, under a lock on their node. (A stateful model
-        shares only at exact state snapshots.)"""
-        cache, pt = self.cache, self.page_tokens
-        n = req.num_computed // pt * pt
-        if n == 0:
-            return
-        key = u32(req.tokens[:n])
-        ins = cache.insert(key, u32(req.block_table[: n // pt]), None)
-        if ins.woken:
-            self.metrics.woken.inc(ins.woken)
-        m = cache.match(key)  # locks the path, now all resident
-        assert m.node is not None and m.resident_len == n
-        req.block_table[: n // pt] = ids(m.pages)
-        if req.node is not None:
-            cache.unlock(req.node)
-        req.node = m.node
-
-    def prompt_snapshot_at(self, req: Request) -> int | None:
-        """Where ``req``'s prompt-end snapshot goes (see the design notes), if it still needs
-        one: one token short of the prompt, past its hit, before its first output."""
-        if not (self.stateful or self.hits.prompt_snapshots) or req.prompt_snapshot_done:
-            return None
-        if req.num_output:
-            return None
-        at = len(req.prompt_ids) - 1
-        if at <= 0 or at <= (req.cached_tokens or 0):
-            req.prompt_snapshot_done = True  # a repeat resumed there: the tree has it
-            return None
-        return at
-
-    def prompt_snapshot(self, req: Request) -> None:
-        """Give the tree the state ``req`` has now (its prompt but the last token computed)
-        with the pages that hold those tokens; the request then reads the tree's full pages
-        under a lock, and keeps its own partial last page."""
-        req.prompt_snapshot_done = True
-        cache, pt, n = self.cache, self.page_tokens, req.num_computed
-        full = n // pt
-        # Pages that carry a state (Pages.prompt_snapshots): the page copy is the snapshot.
-        slot = self.take_slot() if self.stateful else None
-        if self.stateful and slot is None:
-            return
-        pages = req.block_table[:full]
-        if n % pt:
-            copy = self.take_pages(1)
-            if copy is None:
-                if slot is not None:
-                    cache.free_slot(slot)
-                return
-            self.runner.copy_pages([req.block_table[full]], copy)
-            pages = pages + copy
-        if slot is not None:
-            assert req.slot is not None
-            self.runner.copy_slots([req.slot], [slot])
-        key = u32(req.tokens[:n])
-        ins = cache.insert(key, u32(pages), slot)
-        if ins.woken:
-            self.metrics.woken.inc(ins.woken)
-        m = cache.match(key)  # locks the path, now all resident, its snapshot at n
-        assert m.node is not None and m.resident_len == n
-        assert slot is None or m.state_len == n
-        req.block_table[:full] = ids(m.pages)[:full]
-        if req.node is not None:
-            cache.unlock(req.node)
-        req.node = m.node

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kern.chunk import SeqChunk
 from kern.engine.params import Context, LogprobEntry, Pick, SamplingParams
 
 __all__ = ["DraftState", "Event", "LimitError", "Request"]
@@ -81,6 +82,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     node: int | None = None
     slot: int | None = None
+    # Window pages by index (a page kind with them: kern.models.window), -1 where given back;
+    # None on other models.
+    window: list[int] | None = None
     cached_tokens: int | None = None
     finish_reason: str | None = None
     aborted: bool = False
@@ -97,6 +101,23 @@ class Request:
     t_admit: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0
+
+    def next_chunk(self, k: int, eos: frozenset[int]) -> tuple[SeqChunk, list[Pick]]:
+        """The chunk of this request's next ``k`` rows and how each of its logits rows
+        becomes a token: a verify (the last token, then the drafts; a row each) while it has
+        drafts, else the next ``k`` tokens (the last's row when they end the prompt)."""
+        nc = self.num_computed
+        drafts = [] if self.draft is None else self.draft.drafts
+        table, slot, window = self.block_table, self.slot, self.window
+        if drafts:
+            chunk = [self.tokens[nc], *drafts]
+            verify = SeqChunk(chunk, nc, table, slot=slot, logits="all", window=window)
+            return verify, [self.pick(drafts[:j], eos) for j in range(k)]
+        done = nc + k == len(self.tokens)
+        tokens = self.tokens[nc : nc + k]
+        logits = "last" if done else "none"
+        chunk = SeqChunk(tokens, nc, table, slot=slot, logits=logits, window=window)
+        return chunk, [self.pick([], eos)] if done else []
 
     def pick(self, drafts: list[int], eos: frozenset[int]) -> Pick:
         """How the logits row of the next token after ``drafts`` (a verify row's: the drafts

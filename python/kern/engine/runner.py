@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from kern.arith import cdiv
 from kern.backend import Ops, make_ops
 from kern.batch import Step, build_step, validate
 from kern.checkpoint.load import Checkpoint
@@ -57,6 +58,7 @@ from kern.engine.arena import Arena, Placement, land
 from kern.engine.layout import Layout
 from kern.models import registry
 from kern.models.layers.caches import Caches
+from kern.models.window import shadow_window, window_span
 from kern.pool import CopyPlan
 
 __all__ = ["Runner", "StepGraphs"]
@@ -93,8 +95,9 @@ class Runner:
             raise ValueError(f"the layout is {layout.dtype}, the backend computes {ops.dtype}")
         if placement.num_pages < 1:
             raise ValueError("the arena holds no page")
-        if layout.stateful and placement.num_slots < 1:
-            raise ValueError("a stateful model needs at least one state slot")
+        if layout.has_slots and placement.num_slots < 1:
+            what = "window pages" if layout.windowed else "a recurrent state"
+            raise ValueError(f"a model that keeps {what} needs at least one slot")
         self.ops = ops
         self.config = c = checkpoint.config
         self.layout = layout
@@ -106,6 +109,10 @@ class Runner:
         self.dtype = ops.dtype
         self.page_tokens = layout.page_tokens
         self.stateful = layout.stateful
+        # Window pages (kern.models.pages): in the slots, named by each chunk's window table;
+        # a runner over its own memory (with_pages) derives the table from the block table.
+        self.window_tokens = layout.pages.window_tokens
+        self.own_windows = placement.own_windows
         self.arena = Arena(layout, placement, ops.device, buffer=buffer)
         self.placement = placement
         self.num_pages = self.arena.num_pages
@@ -119,7 +126,8 @@ class Runner:
         self.conv_states = self.arena.conv
         self.delta_states = self.arena.delta
         # The page kind over this arena: layer views, attention plans, hit and rewind rules.
-        self.pages = layout.pages.bind(self.arena.pages, self.arena.page_rows, ops)
+        windows = self.arena.slot_rows if layout.windowed else None
+        self.pages = layout.pages.bind(self.arena.pages, self.arena.page_rows, ops, windows)
         # Whether a verify leaves state that must be rewound (Runner.rewind).
         self.rewinds = self.stateful or self.pages.rewinds
         self._row_states: dict[int, tuple[int, int]] = {}  # slot -> (first row, num rows)
@@ -145,7 +153,9 @@ class Runner:
         ops: Ops | None = None,
     ) -> Runner:
         """A runner over pages ``0 .. num_pages - 1`` and slots ``0 .. num_slots - 1`` of its
-        own (ignored by stateless models), on ``ops`` (default: the CPU backend)."""
+        own (ignored by stateless models), on ``ops`` (default: the CPU backend). A page kind
+        with window pages gets ``cdiv(page_tokens, window_tokens)`` of them a page, and
+        chunks without a window table read them through ``shadow_window``."""
         if num_pages < 1 or page_tokens < 1:
             raise ValueError("num_pages and page_tokens must be positive")
         ops = ops or make_ops("cpu")
@@ -202,6 +212,8 @@ class Runner:
         Raises ``ValueError`` for a malformed batch (before touching any memory).
         """
         validate(batch, self.page_tokens, self.num_pages, self.stateful, self.num_slots)
+        if self.window_tokens:
+            batch = self._windows(batch)
         # A decode batch the captured graphs take (kern.engine.cuda_graphs); else eager.
         if self.graphs is not None and inputs is None:
             logits = self.graphs.run(batch)
@@ -225,6 +237,27 @@ class Runner:
         if self.taps:
             self.layer_hidden = caches.taps  # type: ignore[assignment]
         return self.model.logits(hidden[step.logit_rows])
+
+    def _windows(self, batch: Sequence[SeqChunk]) -> Sequence[SeqChunk]:
+        """``batch`` with every chunk's window table (derived where the runner owns its
+        memory); ``ValueError`` naming a chunk whose table misses a window page it reaches."""
+        w, out = self.window_tokens, []
+        for i, c in enumerate(batch):
+            end = c.start_pos + len(c.token_ids)
+            if c.window is None:
+                if not self.own_windows:
+                    raise ValueError(f"chunk {i}: this model's chunks need their window pages")
+                c = replace(c, window=shadow_window(c.block_table, self.page_tokens, w, end))
+            assert c.window is not None
+            span = window_span(c.start_pos, end, w)
+            held = c.window[span.start : span.stop]
+            if len(held) < len(span) or min(held) < 0 or max(held) >= self.num_slots:
+                raise ValueError(
+                    f"chunk {i}: window pages {span.start}..{span.stop - 1} (positions "
+                    f"{c.start_pos}..{end - 1} and their window) must be in [0, {self.num_slots})"
+                )
+            out.append(c)
+        return out
 
     def _plan_states(self, batch: Sequence[SeqChunk], step: Step, caches: Caches) -> object:
         """The recurrent mixers' plan; clears the slots of chunks that start a sequence, and
@@ -254,13 +287,18 @@ class Runner:
         return recurrent
 
     def rewind(
-        self, block_table: Sequence[int], start_pos: int, slot: int | None, num_rows: int
+        self,
+        block_table: Sequence[int],
+        start_pos: int,
+        slot: int | None,
+        num_rows: int,
+        window: Sequence[int] | None = None,
     ) -> None:
         """After a verify chunk of the last forward (at ``start_pos``, ``block_table``, state
-        in ``slot``), leave its pages and state as its first ``num_rows`` rows left them: the
-        page kind's rewind, then the slot's (:meth:`keep_rows`). Rejected rows' K/V is
-        overwritten before anything reads it."""
-        self.pages.rewind(block_table, start_pos, num_rows)
+        in ``slot``, window pages ``window``), leave its pages and state as its first
+        ``num_rows`` rows left them: the page kind's rewind, then the slot's
+        (:meth:`keep_rows`). Rejected rows' K/V is overwritten before anything reads it."""
+        self.pages.rewind(block_table, start_pos, num_rows, window)
         if self.stateful:
             assert slot is not None
             self.keep_rows(slot, num_rows)
@@ -286,15 +324,28 @@ class Runner:
         """Copy whole KV pages ``src[i] -> dst[i]`` (every layer), as one index copy.
 
         For copy-on-write of a partly filled prefix page. Mutates ``dst`` pages; ``dst`` must
-        not repeat and must not overlap ``src``.
+        not repeat and must not overlap ``src``. On a runner over its own memory a page's
+        window pages (``shadow_window``'s) travel with it.
         """
         _copy(self.arena.page_rows, src, dst)
+        if self.own_windows and self.arena.slot_rows is not None:
+            per = cdiv(self.page_tokens, self.window_tokens)
+            _copy(self.arena.slot_rows, _windows_of(src, per), _windows_of(dst, per))
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy recurrent states ``src[i] -> dst[i]`` (state snapshots). Mutates ``dst``
         slots; a no-op for stateless models."""
         if self.arena.slot_rows is not None:
             _copy(self.arena.slot_rows, src, dst)
+
+    def snapshot_window(self, window: Sequence[int], end: int, dst: int) -> None:
+        """Make window page ``dst`` the snapshot at ``end`` of the sequence whose window pages
+        are ``window`` (``Pages.snapshot``)."""
+        self.pages.snapshot(window, end, dst)
+
+    def restore_window(self, src: int, dst: Sequence[int]) -> None:
+        """Copy snapshot ``src`` into window pages ``dst`` (``Pages.restore``)."""
+        self.pages.restore(src, dst)
 
     def park(self, plans: Sequence[CopyPlan]) -> None:
         """Land the park plans of one make-room call (device -> host), in order, as one copy
@@ -318,11 +369,21 @@ class Runner:
             [(plan.src_states, plan.dst_states)],
         )
 
-    def kv_at(self, block_table: Sequence[int], positions: Sequence[int]) -> Tensor:
+    def kv_at(
+        self,
+        block_table: Sequence[int],
+        positions: Sequence[int],
+        window: Sequence[int] | None = None,
+    ) -> Tensor:
         """A copy of what the pages hold at ``positions`` of a sequence: for K/V pages
         [n, layers, 2, Hk, D], latent pages [n, layers, C], compressed pages the window
-        entries [n, layers, D] (``Pages.kv_at``)."""
-        return self.pages.kv_at(block_table, positions)
+        entries [n, layers, D] (``Pages.kv_at``), read through the sequence's window pages
+        ``window`` (derived on a runner over its own memory)."""
+        if not self.window_tokens:
+            return self.pages.kv_at(block_table, positions)
+        if window is None and not self.own_windows:
+            raise ValueError("this model's positions are read through their window pages")
+        return self.pages.kv_at(block_table, positions, window)
 
 
 def _copy(rows: Tensor, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -332,3 +393,8 @@ def _copy(rows: Tensor, src: Sequence[int], dst: Sequence[int]) -> None:
         s = torch.tensor(list(src), device=rows.device)
         d = torch.tensor(list(dst), device=rows.device)
         rows.index_copy_(0, d, rows.index_select(0, s))
+
+
+def _windows_of(pages: Sequence[int], per: int) -> list[int]:
+    """The window pages ``shadow_window`` gives ``pages`` (``per`` a page)."""
+    return [p * per + i for p in pages for i in range(per)]

@@ -73,6 +73,7 @@ class Scheduler:
         max_running: int = 256,
         drafter: Drafter | None = None,
         on_crash: Callable[[BaseException], None] | None = None,
+        snapshot_pages: int = 1,
     ) -> None:
         if max_step_tokens < 1 or max_running < 1:
             raise ValueError("max_step_tokens and max_running must be >= 1")
@@ -95,7 +96,7 @@ class Scheduler:
         self._stop = False
         self._waiting = Waiting()
         self._running: list[Request] = []
-        self.memory = Memory(cache, self.runner, self.metrics, self._running)
+        self.memory = Memory(cache, self.runner, self.metrics, self._running, snapshot_pages)
         self.pt = self.memory.page_tokens
         self.max_pages = self.memory.max_pages
         self._order = 0
@@ -268,6 +269,7 @@ class Scheduler:
         if not plan:
             return
         batch, picks = self._batch(plan)
+        windows = self.memory.windows
         # The forward and the choice of every logits row, on the runner side: ids back.
         picked = self.sampler.forward(batch, picks)
         # Requests that get tokens: (request, its first logits row, its number of rows).
@@ -282,7 +284,9 @@ class Scheduler:
                 rows.append((req, first, 1))
                 first += 1
             req.num_computed += k
-            if k > 1 and not self.stateful:
+            if windows is not None:
+                windows.share(req, req.num_computed - k)
+            elif k > 1 and not self.stateful:
                 self.memory.share_prefill(req)
             if req.num_computed == self.memory.prompt_snapshot_at(req):
                 self.memory.prompt_snapshot(req)
@@ -291,13 +295,16 @@ class Scheduler:
             self._emit(req, [picked[i] for i in range(start, start + n)], now, events)
         if self.drafter is not None:
             self.drafter.stepped(batch, [r for r, _ in plan], self.memory)
+        if windows is not None:
+            # Once every row settled: a verify's rejected rows may still need their window.
+            for req, _ in plan:
+                windows.trim(req)
 
     def _plan(self) -> list[tuple[Request, int]]:
         """Each running request's next chunk length under the step's budget (decode rows
         first, then prefill chunks), growing their pages, and the drafts of those that
         draft."""
         budget = self.max_step_tokens
-        pt = self.pt
         drafter = self.drafter
         plan: list[tuple[Request, int]] = []
         # Requests the drafter planned drafts for this step, in the order planned.
@@ -327,10 +334,16 @@ class Scheduler:
             at = self.memory.prompt_snapshot_at(req)
             if at is not None and req.num_computed < at < req.num_computed + k:
                 k = at - req.num_computed
-            if req.num_computed + k > len(req.block_table) * pt and not self._grow(req, k):
+            got = self._grow(req, k)
+            if got < k:
+                # Preempted itself (nothing younger to take from), or cut to the rows its
+                # window pages cover: drafts wait for another step.
+                wants.pop(req, None)
                 if req.draft is not None:
                     req.draft.drafts = []
-                continue  # preempted itself: nothing younger to take from
+                if not got:
+                    continue
+                k = min(got, left)
             plan.append((req, k))
             budget -= k
         plan = [(r, k) for r, k in plan if r.block_table]
@@ -345,26 +358,9 @@ class Scheduler:
         batch = []
         picks: list[Pick] = []
         for req, k in plan:
-            nc = req.num_computed
-            drafts = _drafts(req)
-            if drafts:
-                # Verify: the last token, then the drafts; one row of logits each.
-                chunk = [req.tokens[nc], *drafts]
-                batch.append(SeqChunk(chunk, nc, req.block_table, slot=req.slot, logits="all"))
-                picks.extend(req.pick(drafts[:j], self.eos) for j in range(k))
-                continue
-            done = nc + k == len(req.tokens)
-            batch.append(
-                SeqChunk(
-                    req.tokens[nc : nc + k],
-                    nc,
-                    req.block_table,
-                    slot=req.slot,
-                    logits="last" if done else "none",
-                )
-            )
-            if done:
-                picks.append(req.pick([], self.eos))
+            chunk, rows = req.next_chunk(k, self.eos)
+            batch.append(chunk)
+            picks.extend(rows)
         return batch, picks
 
     def _emit(
@@ -416,19 +412,24 @@ class Scheduler:
             self._running.remove(req)
             self._finish(req, reason, events)
 
-    def _grow(self, req: Request, k: int) -> bool:
-        """Pages for ``req``'s next ``k`` tokens, preempting the youngest running requests
-        when nothing can be evicted. False when ``req`` itself was preempted."""
+    def _grow(self, req: Request, k: int) -> int:
+        """Pages for ``req``'s next ``k`` rows and window pages for as many of them as can be
+        had (the rows covered), preempting the youngest running requests while not even the
+        next row's can be had. 0 when ``req`` itself was preempted."""
         need = cdiv(req.num_computed + k, self.pt) - len(req.block_table)
+        windows = self.memory.windows
         while True:
             pages = self.memory.take_pages(need)
             if pages is not None:
                 req.block_table.extend(pages)
-                return True
+                need = 0
+                got = k if req.window is None or windows is None else windows.grow(req, k)
+                if got:
+                    return got
             victim = max(self._running, key=lambda r: (r.priority, r.order))
             self._preempt(victim)
             if victim is req:
-                return False
+                return 0
 
     def _preempt(self, req: Request) -> None:
         self._running.remove(req)

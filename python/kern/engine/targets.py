@@ -64,6 +64,7 @@ FLAGS = {
     "pool_bytes": "--pool-bytes",
     "host_bytes": "--host-bytes",
     "page_tokens": "--page-tokens",
+    "snapshot_pages": "--snapshot-pages",
     "threads": "--threads",
     "ranks": "--ranks",
     "reasoning_parser": "--reasoning-parser",
@@ -241,6 +242,12 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     unfit = registry.of(config).page_kind().fit(config, target.page_tokens)
     if unfit is not None:
         raise UsageError(f"{target.where('page_tokens')}: {unfit}")
+    if target.snapshot_pages is not None and not registry.of(config).page_kind().windowed():
+        raise UsageError(
+            f"{target.where('snapshot_pages')}: snapshot_pages = {target.snapshot_pages} "
+            f"applies to models with window pages (deepseek_v4); {config.model_type} resumes "
+            "at any page"
+        )
     if target.draft is not None and target.widest_rows < 2:
         raise UsageError(
             f"{target.where('draft')}: draft = {target.draft!r} drafts nothing at rows "

@@ -60,6 +60,22 @@ class PageKind:
         """Why ``page_tokens`` does not fit ``config``'s pages (None: it does)."""
         return None
 
+    @classmethod
+    def windowed(cls) -> bool:
+        """Whether this kind keeps window pages (before any config: what a target may set)."""
+        return False
+
+    @property
+    def window_tokens(self) -> int:
+        """Positions a window page holds (0: this kind keeps no window pages; see
+        :class:`Pages`)."""
+        return 0
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes of one window page (0 without them)."""
+        return 0
+
     def draft_unit(self, any_stride: bool) -> int:
         """The values a draft page's rows come in: a pool page holding a draft's page must be
         a whole number of them from the arena's start (the CPU attention indexes K rows of
@@ -68,9 +84,12 @@ class PageKind:
         stride (CUDA's latent attention)."""
         raise NotImplementedError
 
-    def bind(self, pages: Tensor, page_rows: Tensor, ops: Any) -> Pages:
+    def bind(
+        self, pages: Tensor, page_rows: Tensor, ops: Any, window_rows: Tensor | None = None
+    ) -> Pages:
         """This kind over an arena's ``pages`` ([num_pages, *page_shape]) and ``page_rows``
-        ([num_pages, page_bytes] uint8), for ``ops``."""
+        ([num_pages, page_bytes] uint8), and its window pages' ``window_rows`` ([num_slots,
+        window_bytes] uint8, for a kind that keeps them), for ``ops``."""
         raise NotImplementedError
 
 
@@ -83,6 +102,11 @@ class Pages:
     prompt_snapshots: ClassVar[bool] = False
     # A verify's rejected rows leave state in the pages that must be rewound (:meth:`rewind`).
     rewinds: ClassVar[bool] = False
+    # Positions a window page holds (0: none). A kind with window pages keeps a sliding
+    # window's entries (and the state a next token reads) apart from the pages a prefix cache
+    # keeps whole: a running sequence holds only the window pages its attention can still
+    # read, a cached prefix one window page folded into a snapshot where a hit may resume.
+    window_tokens: int = 0
 
     def __init__(self, kind: PageKind, layers: list, ops: Any) -> None:
         self.kind = kind
@@ -97,8 +121,14 @@ class Pages:
     def stepped(self, step: Step) -> None:
         """After the forward of ``step`` (its plan in ``step.attention``)."""
 
-    def kv_at(self, block_table: Sequence[int], positions: Sequence[int]) -> Tensor:
-        """A copy of what the pages hold at ``positions`` of a sequence, per layer."""
+    def kv_at(
+        self,
+        block_table: Sequence[int],
+        positions: Sequence[int],
+        window: Sequence[int] | None = None,
+    ) -> Tensor:
+        """A copy of what the pages hold at ``positions`` of a sequence, per layer (a kind
+        with window pages reads them through ``window``)."""
         raise NotImplementedError
 
     def hit_key(self, tokens: Sequence[int]) -> Sequence[int]:
@@ -109,9 +139,28 @@ class Pages:
         """The longest part of a resident ``hit`` of ``match`` a sequence may resume at."""
         return hit
 
-    def rewind(self, block_table: Sequence[int], start_pos: int, num_rows: int) -> None:
-        """After a verify chunk at ``start_pos`` of the last forward, leave the pages as its
-        first ``num_rows`` rows left them."""
+    def rewind(
+        self,
+        block_table: Sequence[int],
+        start_pos: int,
+        num_rows: int,
+        window: Sequence[int] | None = None,
+    ) -> None:
+        """After a verify chunk at ``start_pos`` of the last forward (its window pages
+        ``window``, for a kind with them), leave the pages as its first ``num_rows`` rows
+        left them."""
+
+    def snapshot(self, window: Sequence[int], end: int, dst: int) -> None:
+        """Make window page ``dst`` the snapshot a sequence resumes from at ``end``: the
+        window before ``end`` and the state after ``end - 1``, from the sequence's window
+        pages ``window`` (``dst`` may be the one holding ``end - 1``: then it is folded in
+        place)."""
+        raise NotImplementedError
+
+    def restore(self, src: int, dst: Sequence[int]) -> None:
+        """Copy snapshot ``src`` into window pages ``dst``: each then holds, at every
+        position a resumed sequence reads before writing, what the snapshot's sequence had."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -133,7 +182,9 @@ class KvPages(PageKind):
     def draft_unit(self, any_stride: bool) -> int:
         return self.page_tokens * self.head_dim
 
-    def bind(self, pages: Tensor, page_rows: Tensor, ops: Any) -> KvViews:
+    def bind(
+        self, pages: Tensor, page_rows: Tensor, ops: Any, window_rows: Tensor | None = None
+    ) -> KvViews:
         return KvViews(self, pages, ops)
 
 
@@ -183,7 +234,9 @@ class LatentPages(PageKind):
     def draft_unit(self, any_stride: bool) -> int:
         return 1 if any_stride else self.page_tokens * self.page_shape[-1]
 
-    def bind(self, pages: Tensor, page_rows: Tensor, ops: Any) -> LatentViews:
+    def bind(
+        self, pages: Tensor, page_rows: Tensor, ops: Any, window_rows: Tensor | None = None
+    ) -> LatentViews:
         return LatentViews(self, pages, ops)
 
 

@@ -94,7 +94,7 @@ def settle(req: Request, sent: int, accepted: int, runner: Rewinder, drafter: Dr
     next chunk starts at ``num_computed`` and overwrites it, and the pages' and the slot's
     state is rewound to the row of the last token sent, exactly where rows 1 would leave it.
     The drafter hears what was accepted."""
-    runner.rewind(req.block_table, req.num_computed, req.slot, sent)
+    runner.rewind(req.block_table, req.num_computed, req.slot, sent, req.window)
     req.num_computed += sent
     drafter.accepted(req, accepted)
 

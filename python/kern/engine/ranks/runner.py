@@ -80,12 +80,24 @@ class RankedRunner:
         self._call("keep_rows", slot, num_rows)
 
     def rewind(
-        self, block_table: Sequence[int], start_pos: int, slot: int | None, num_rows: int
+        self,
+        block_table: Sequence[int],
+        start_pos: int,
+        slot: int | None,
+        num_rows: int,
+        window: Sequence[int] | None = None,
     ) -> None:
         # Broadcast only what changes something: a stateless target on plain pages has
         # nothing to rewind.
         if self._runner.rewinds:
-            self._call("rewind", list(block_table), start_pos, slot, num_rows)
+            window = None if window is None else list(window)
+            self._call("rewind", list(block_table), start_pos, slot, num_rows, window)
+
+    def snapshot_window(self, window: Sequence[int], end: int, dst: int) -> None:
+        self._call("snapshot_window", list(window), end, dst)
+
+    def restore_window(self, src: int, dst: Sequence[int]) -> None:
+        self._call("restore_window", src, list(dst))
 
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         self._call("copy_pages", list(src), list(dst))

@@ -57,7 +57,7 @@ class RatePlan:
 
     num_windows: int  # windows the step's rows fall in, numbered across the batch
     first: Tensor  # [B'] window id of each resumed sequence's first window
-    first_from: Tensor  # [B'] the page holding that sequence's previous token
+    first_from: Tensor  # [B'] the window page holding that sequence's previous token
     prev_of: Tensor  # [G] the same sequence's previous window id, or -1
     starts: Tensor  # [G] each window's first row (a window's rows are one run)
     lens: Tensor  # [G] and its number of rows in the step
@@ -75,12 +75,12 @@ class CompressedPlan:
 
     page_tokens: int
     positions: Tensor  # [R]
-    row_page: Tensor  # [R] page and offset of each row's own position
+    row_window: Tensor  # [R] window page and offset of each row's own position
     row_offset: Tensor
     window_pages: Tensor  # [R, W] the row's window, oldest first
     window_offsets: Tensor
     window_valid: Tensor  # [R, W] bool
-    state_rows: Tensor  # rows after which the page's accumulators are written
+    state_rows: Tensor  # rows after which their window page's accumulators are written
     rates: dict[int, RatePlan] = field(default_factory=dict)
     keep: Tensor | None = None  # rows whose accumulators are kept for a rewind
     # (a layer's accumulator view, the kept rows' accumulators after them), by pool()
@@ -105,46 +105,54 @@ def plan(
     page_tokens: int,
     window: int,
     rates: tuple[int, ...],
+    windows: Tensor,
+    bases: list[int],
     keep: list[int] | None = None,
 ) -> CompressedPlan:
-    """The indices of ``step`` for pages of ``page_tokens``, a sliding ``window`` and the
+    """The indices of ``step`` for pages of ``page_tokens``, window pages of ``window``
+    positions (each sequence's ``windows`` [B, J], from its page ``bases[b]`` on) and the
     compression ``rates`` its layers use; the accumulators after rows ``keep`` are kept for
     :func:`rewind`."""
     dev = step.positions.device
-    pt = page_tokens
+    pt, w = page_tokens, window
     pos = step.positions.cpu()
     lens = torch.tensor(step.q_lens)
     seq = torch.repeat_interleave(torch.arange(len(step.q_lens)), lens)
     tables = step.block_tables.cpu()
-    row_page = tables[seq, pos // pt]
-    back = torch.arange(window - 1, -1, -1)
+    base = torch.tensor(bases, dtype=torch.long)
+    row_window = windows[seq, pos // w - base[seq]]
+    back = torch.arange(w - 1, -1, -1)
     wpos = pos[:, None] - back[None, :]
     valid = wpos >= 0
     wpos = wpos.clamp(min=0)
+    # Rows whose window reaches before 0 read (masked) the sequence's first window page.
+    wpage = (wpos // w - base[seq][:, None]).clamp(min=0)
     starts = torch.tensor([ctx - n for ctx, n in zip(step.ctx_lens, step.q_lens, strict=True)])
     last = torch.zeros(len(pos), dtype=torch.bool)
     ends = torch.tensor(step.q_starts) + lens - 1
     last[ends] = True
-    state_rows = torch.nonzero(last | (pos % pt == pt - 1)).flatten()
+    state_rows = torch.nonzero(last | (pos % w == w - 1)).flatten()
     p = CompressedPlan(
         pt,
         step.positions,
-        row_page.to(dev),
-        (pos % pt).to(dev),
-        tables[seq[:, None], wpos // pt].to(dev),
-        (wpos % pt).to(dev),
+        row_window.to(dev),
+        (pos % w).to(dev),
+        windows[seq[:, None], wpage].to(dev),
+        (wpos % w).to(dev),
         valid.to(dev),
         state_rows.to(dev),
     )
     if keep:
         p.keep = torch.tensor(keep, device=dev)
     first_row = torch.tensor(step.q_starts)
+    resumed = torch.nonzero(starts > 0).flatten()
+    first_from = windows[resumed, (starts[resumed] - 1) // w - base[resumed]]
     for m in sorted(set(rates)):
-        p.rates[m] = _rate_plan(m, pt, pos, seq, tables, starts, first_row, dev)
+        p.rates[m] = _rate_plan(m, pt, pos, seq, tables, first_row, resumed, first_from, dev)
     return p
 
 
-def _rate_plan(m, pt, pos, seq, tables, starts, first_row, dev) -> RatePlan:
+def _rate_plan(m, pt, pos, seq, tables, first_row, resumed, first_from, dev) -> RatePlan:
     j = pos % m
     opens = j == 0
     opens[first_row] = True
@@ -152,9 +160,7 @@ def _rate_plan(m, pt, pos, seq, tables, starts, first_row, dev) -> RatePlan:
     num_windows = int(gid[-1]) + 1 if len(gid) else 0
     prev_of = gid[opens] - 1
     prev_of[gid[first_row]] = -1
-    resumed = torch.nonzero(starts > 0).flatten()
     first = gid[first_row[resumed]]
-    first_from = tables[resumed, (starts[resumed] - 1) // pt]
     starts = torch.nonzero(opens).flatten()
     lens = torch.diff(starts, append=torch.tensor([len(pos)]))
     closing = torch.nonzero(j == m - 1).flatten()
@@ -212,7 +218,8 @@ def pool(
     the pooled values [len(closing), dim] of the windows they close (before the norm and
     RoPE). ``kv`` and ``gate`` (position bias added) are [R, 2 * dim] (``pair``: CSA's
     Ca | Cb) or [R, dim]. Reads the accumulators of each resumed sequence from ``state``
-    [P, A, 3, dim] and writes them after every page end and chunk end."""
+    [S, A, 3, dim] (window pages) and writes them after every window page end and chunk
+    end."""
     rp = p.rates[m]
     kv, gate = kv.float(), gate.float()
     dim = kv.shape[1] // 2 if pair else kv.shape[1]
@@ -244,7 +251,7 @@ def pool(
         hist[rp.closing] = empty(len(rp.closing), dim, dev)
         after = hist[:, None]
     w = p.state_rows
-    state[p.row_page[w]] = after[w]
+    state[p.row_window[w]] = after[w]
     if p.keep is not None:
         p.kept.append((state, after[p.keep]))
     return pooled
@@ -252,7 +259,8 @@ def pool(
 
 def rewind(p: CompressedPlan, row: int, page: int) -> None:
     """Write the accumulators every layer had after kept row ``row`` (an index into the
-    plan's ``keep``) into ``page``: the state a verify's last accepted row leaves."""
+    plan's ``keep``) into window page ``page``: the state a verify's last accepted row
+    leaves."""
     for state, kept in p.kept:
         state[page] = kept[row]
 

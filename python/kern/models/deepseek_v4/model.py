@@ -207,7 +207,7 @@ class Attention:
         cos, sin = p.rope_at(which, rope)
         q = ca.rope(ops.rms_norm(q, self.ones, self.eps), cos, sin)
         kv = ca.rope(ops.rms_norm(parts[1], self.kv_norm, self.eps), cos, sin)
-        views.window[p.row_page, p.row_offset] = kv.to(views.window.dtype)
+        views.window[p.row_window, p.row_offset] = kv.to(views.window.dtype)
         pages = slots = extra_valid = None
         if self.compressor is not None:
             assert views.entries is not None and views.state is not None

@@ -33,6 +33,7 @@ DEFAULTS: dict[str, Any] = dict(
     q_lora_rank=48,
     qk_rope_head_dim=16,
     yarn_factor=0,
+    sliding_window=8,
 )
 
 # deepseek_v4's sizes make_tiny has no option for.
@@ -45,7 +46,6 @@ V4_FIXED: dict[str, Any] = dict(
     ],
     hash_layers=2,
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-    sliding_window=8,
     hc_mult=4,
     o_groups=2,
     o_lora_rank=16,
@@ -168,7 +168,7 @@ def _fields(a: dict[str, Any]) -> dict[str, Any]:
         rope_theta=10000.0,
         routed_scaling_factor=1.5,
         scoring_func="sqrtsoftplus",
-        sliding_window=fx["sliding_window"],
+        sliding_window=a["sliding_window"],
         swiglu_limit=10.0,
     )
     rates = fx["compress_rates"]

@@ -1,0 +1,132 @@
+"""DeepSeek-V4's window pages (kern.engine.window_pages): a running sequence holds its
+compressed entries and one window, measured from the pool at 64k tokens; it gives window pages
+back as it goes, in prefill chunks and in decode; speculative rows keep theirs until the round
+settles; a budget that cannot hold a sequence's window is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.scheduler import Harness, load, prompt
+from support.variants import build
+
+from kern.engine.load import Engine
+from kern.errors import UsageError
+from kern.kern_toml import Target
+
+WINDOW = 8  # the tiny sliding window
+
+
+def held(req) -> list[int]:
+    """The window page indices ``req`` holds."""
+    return [j for j, p in enumerate(req.window or []) if p >= 0]
+
+
+@pytest.fixture(scope="module")
+def hca128(tmp_path_factory):
+    """A sliding and an HCA layer (rate 128: with pages of 128, one entry a page, the
+    formula's d / m a token), small enough to prefill thousands of tokens in seconds."""
+    return build(
+        tmp_path_factory.mktemp("hca128"),
+        "deepseek_v4",
+        dict(layers=2, hidden=32, head_dim=32, experts=2, moe_intermediate=16),
+        dict(
+            layer_types=["sliding_attention", "heavily_compressed_attention"],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+            max_position_embeddings=1 << 21,
+        ),
+    )
+
+
+def running_bytes(h: Harness, req, n: int) -> tuple[int, int]:
+    """Step ``req``'s prefill to ``n`` tokens (never a snapshot: the tree stays empty, so
+    every page and slot in use is the sequence's); its bytes from the pool's counters, and
+    the formula's: the compressed entries and one window of both layers, float32."""
+    cache, layout = h.cache, h.engine.layout
+    while req.num_computed < n:
+        h.step()
+        assert len(held(req)) <= 2, held(req)
+    assert req.num_computed == n
+    s = cache.stats()
+    assert s.resident_pages == 0 and s.resident_states == 0
+    measured = s.pages_used * layout.page_bytes + s.slots_used * cache.device.slot_stride
+    d, item = h.engine.checkpoint.config.head_dim, 4
+    return measured, n * d * item // 128 + 2 * WINDOW * d * item
+
+
+def test_a_running_sequence_holds_its_entries_and_one_window(hca128):
+    """At 8k tokens, the model run for real: the pool's pages and slots in use are within
+    1.2x of the compressed entries plus one window; the answer is kern run's."""
+    engine = load(hca128, pool_bytes=8 * 2**20, page_tokens=128, snapshot_pages=10**6)
+    h = Harness(engine, max_step_tokens=2048)
+    n = 8192
+    req = h.submit(prompt(1, n + 100), 3, ignore_eos=True)
+    measured, formula = running_bytes(h, req, n)
+    assert measured <= 1.2 * formula, (measured, formula)
+    h.run()
+    h.assert_identical(req)
+    h.assert_idle_and_clean()
+
+
+@pytest.mark.parametrize("n", [65_536, 1 << 20])
+def test_the_books_hold_entries_and_one_window_at_64k_and_1m(hca128, monkeypatch, n):
+    """The same at 64k and 1M tokens, with the forward's arithmetic stubbed out (the books
+    and the window tables are the scheduler's and the runner's own, checked every step; the
+    numbers the layers compute take no part in what is held): within 1.2x."""
+    engine = load(hca128, pool_bytes=64 * 2**20, page_tokens=128, snapshot_pages=10**6)
+    runner = engine.runner
+    vocab = engine.checkpoint.config.vocab_size
+
+    def logits(batch, inputs=None):
+        rows = sum({"last": 1, "all": len(c.token_ids), "none": 0}[c.logits] for c in batch)
+        return torch.zeros(rows, vocab)
+
+    monkeypatch.setattr(runner, "forward_eager", logits)
+    h = Harness(engine, max_step_tokens=8192)
+    req = h.submit(prompt(2, n + 100), 1, ignore_eos=True)
+    measured, formula = running_bytes(h, req, n)
+    assert measured <= 1.2 * formula, (measured, formula)
+    h.run()
+    h.assert_idle_and_clean()
+
+
+def test_window_pages_are_given_back_in_prefill_chunks_and_decode(tiny_dir):
+    """After every step a request holds exactly the window pages its next row reads (the
+    last window's); the answer is kern run's."""
+    engine = load(tiny_dir("deepseek_v4"), pool_bytes=2**20, page_tokens=4)
+    h = Harness(engine, max_step_tokens=24)
+    req = h.submit(prompt(3, 150), 30, ignore_eos=True)
+    seen = 0
+    while h.open:
+        h.step()
+        if req.window is not None:
+            nc = req.num_computed
+            want = range(max(0, nc - WINDOW + 1) // WINDOW, (nc - 1) // WINDOW + 1)
+            assert held(req) == list(want), (nc, held(req))
+            seen += 1
+    assert seen > 30
+    h.assert_identical(req)
+    h.assert_idle_and_clean()
+
+
+def test_speculative_rows_keep_their_window_across_a_page_given_back(tiny_dir):
+    """n-gram drafts through the scheduler on a repetitive prompt, window pages of 8: rounds
+    cross window pages, some drafts are rejected, and the answer is rows 1's."""
+    engine = load(tiny_dir("deepseek_v4"), pool_bytes=2**20, page_tokens=4)
+    h = Harness(engine, rows=5)
+    base = prompt(41, 40)
+    req = h.submit(base + base[:20] + base, 60, ignore_eos=True)
+    h.run()
+    h.assert_identical(req)
+    m = h.sched.metrics
+    drafted = m.spec_draft_tokens._value.get()
+    accepted = m.spec_accepted_tokens._value.get()
+    assert 0 < accepted < drafted
+    h.assert_idle_and_clean()
+
+
+def test_a_budget_without_room_for_a_window_is_refused_by_name(tiny_dir):
+    folder = tiny_dir("deepseek_v4")
+    target = Target(name="t", checkpoint=folder, pool_bytes=20_000, page_tokens=4)
+    with pytest.raises(UsageError, match="window pages"):
+        Engine.load(target)
