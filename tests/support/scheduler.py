@@ -128,7 +128,7 @@ class Harness:
         assert len(set(drafted)) == len(drafted), "a draft page held by two requests"
         assert s.resident_pages <= s.pages_used <= s.resident_pages + listed
         # Window pages (kern.engine.window_pages): a request's own, never the tree's.
-        windows = [p for r in running for p in (r.window or []) if p >= 0]
+        windows = [p for r in running for p in (r.window or []) + r.window_spare if p >= 0]
         assert len(set(windows)) == len(windows), "a window page held twice"
         slots = sum(r.slot is not None for r in running) + len(windows)
         slots += sum(
@@ -137,6 +137,7 @@ class Harness:
         assert s.slots_used == s.resident_states + slots, (s.slots_used, s.resident_states, slots)
         for r in self.sched._waiting:
             assert not r.block_table and r.slot is None and r.node is None and r.window is None
+            assert not r.window_spare
             d = draft_of(r)
             assert not d.table and d.computed == 0
             assert d.slot is None and d.saved is None

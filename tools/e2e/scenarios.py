@@ -473,7 +473,7 @@ class TargetGate:
     def slot_growth(self, res: Result) -> None:
         if not self.stateful:
             res.status = "n/a"
-            res.notes.append("no recurrent state")
+            res.notes.append("no recurrent state or window pages")
             return
         start = self.start["kern_pool_slots_total"]
         held = self.peak.get("kern_pool_slots_held", 0)
@@ -482,8 +482,10 @@ class TargetGate:
             f"slots: {start:.0f} at start, {held:.0f} held at once and {total:.0f} in all "
             "during twelve at once"
         )
-        if start != 2:
-            res.fail(f"the pool started with {start:.0f} slots, not 2")
+        # The slots the pool keeps: two for a recurrent state, three for window pages (a lone
+        # request's two and its hit's snapshot), whole chunks of them.
+        if start < 2:
+            res.fail(f"the pool started with {start:.0f} slots, fewer than 2")
         if held <= 2 or total < held:
             res.fail("the slots did not grow past two while twelve requests ran")
 

@@ -66,9 +66,10 @@ def bytes_rows() -> list[str]:
     """A page, a window page, and a million-token sequence running and cached, at the
     released dims, against the compressed-entries-plus-one-window formula."""
     rows = [
-        "| config | page tokens | page bytes | window page bytes | running 1M-token sequence "
-        "| formula (entries + one window) | running / formula | cached, k = 1 / 4 / 16 |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| config | page tokens | page bytes | window page bytes | bytes a token | running "
+        "1M-token sequence | formula (entries + one window) | running / formula | cached, "
+        "k = 1 / 4 / 16 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     d, di, item, w, n = 512, 128, 2, 128, 10**6
     for name, kinds, hidden, heads in (("Flash", FLASH, 4096, 64), ("Pro", PRO, 7168, 128)):
@@ -87,10 +88,11 @@ def bytes_rows() -> list[str]:
             )
             rows.append(
                 f"| {name} ({csa} CSA, {hca} HCA, {kinds.count(0)} sliding) | {pt} | {page:,} "
-                f"| {window:,} | {running / 2**30:.2f} GiB | {formula / 2**30:.2f} GiB | "
+                f"| {window:,} | {page / pt:,.0f} | {running / 2**30:.2f} GiB | "
+                f"{formula / 2**30:.2f} GiB | "
                 f"{running / formula:.3f} | {cached} GiB |"
             )
-    rows.append(f"| Pro, vLLM's quoted figure | | | | {VLLM_PRO_GIB} GiB | | | |")
+    rows.append(f"| Pro, vLLM's quoted figure | | | | | {VLLM_PRO_GIB} GiB | | | |")
     return rows
 
 

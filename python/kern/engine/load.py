@@ -176,6 +176,11 @@ class Engine:
         return self.runner.arena.nbytes, 0 if host is None else host.nbytes
 
 
+# Slots the pool keeps for a model with window pages: a lone request's two and the snapshot
+# its hit holds locked while it runs.
+WINDOW_SLOTS = 3
+
+
 def _cache(
     target: Target, layout: Layout, device_bytes: int, state_bytes: int | None = None
 ) -> Cache:
@@ -189,8 +194,14 @@ def _cache(
         state_bytes=layout.state_bytes if state_bytes is None else state_bytes,
         host_bytes=target.host_bytes,
     )
+    slots = "two state slots"
+    if layout.windowed:
+        # A lone request's two window pages and the snapshot its hit holds locked: it always
+        # runs (kern.engine.window_pages).
+        kwargs["min_slots"] = WINDOW_SLOTS
+        slots = f"{WINDOW_SLOTS} window pages"
     try:
-        return Cache(**kwargs)
+        cache = Cache(**kwargs)
     except BudgetTooSmall as e:
         key, value = "pool_bytes", device_bytes
         if target.host_bytes:
@@ -202,10 +213,19 @@ def _cache(
         why = ""
         if layout.windowed and key == "pool_bytes":
             why = (
-                f" (besides its pages, a sequence holds two window pages of "
-                f"{layout.state_bytes:,} bytes, kept as the pool's first slots)"
+                f" (besides its pages, a sequence holds two window pages and its hit's "
+                f"snapshot, {layout.state_bytes:,} bytes each: the pool keeps "
+                f"{WINDOW_SLOTS} as its first slots)"
             )
         raise UsageError(f"{target.where(key)}: {key} = {value}: {e}{why}") from None
+    if cache.pages_free < 1:
+        # The slots' first chunks took the whole budget: no page for any request.
+        raise UsageError(
+            f"{target.where('pool_bytes')}: pool_bytes = {device_bytes}: no page is left beside "
+            f"the {slots} the pool keeps ({layout.state_bytes:,} bytes each, in chunks of "
+            f"{cache.device.chunk_bytes:,} bytes)"
+        )
+    return cache
 
 
 def default_pool_bytes(device: torch.device) -> int:

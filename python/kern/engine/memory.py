@@ -160,21 +160,22 @@ class Memory(Sharing):
             if slot is None:
                 return False
         window: list[int] = []
-        if self.window and hit:
-            # The window pages the hit's next token reads, each a copy of the snapshot.
-            w = self.window
-            lo = max(0, hit - w + 1) // w
-            assert self.windows is not None
-            got = self.windows.take((hit - 1) // w + 1 - lo)
-            if got is None:
+        spare: list[int] = []
+        if self.windows is not None:
+            # The window pages the hit's next token reads (each a copy of the snapshot), and
+            # spares up to the few a running request keeps.
+            pages = self.windows.admit(hit)
+            if pages is None:
+                if slot is not None:
+                    self.free_slot(slot)
                 return False
-            window = [-1] * lo + got
+            window, spare = pages
         own = self.take_pages(need)
         if own is None:
             if slot is not None:
                 self.free_slot(slot)
             if self.windows is not None:
-                self.windows.free(window)
+                self.windows.free(window + spare)
             return False
         if m is not None and hit % pt:
             # The hit's last page is shared with the tree: copy it before writing past the hit.
@@ -186,6 +187,7 @@ class Memory(Sharing):
             assert m is not None and m.state_slot is not None
             self.runner.restore_window(m.state_slot, [p for p in window if p >= 0])
         req.window = window if self.window else None
+        req.window_spare = spare
         req.block_table = shared + own
         req.node = node
         req.slot = slot

@@ -85,6 +85,8 @@ class Request:
     # Window pages by index (a page kind with them: kern.models.window), -1 where given back;
     # None on other models.
     window: list[int] | None = None
+    # Window pages it keeps for its next rows (with the held ones, always RESERVE of them).
+    window_spare: list[int] = field(default_factory=list)
     cached_tokens: int | None = None
     finish_reason: str | None = None
     aborted: bool = False

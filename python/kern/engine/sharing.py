@@ -50,6 +50,23 @@ class Sharing:
     def take_slot(self) -> int | None:
         raise NotImplementedError
 
+    def wake(self, node: int) -> bool:
+        raise NotImplementedError
+
+    def wake_path(self, key: object) -> bool:
+        """Bring back the parked part of the tree's path along ``key`` (a request's own
+        tokens), so that an insert of ``key`` leaves it all resident: an insert through a
+        parked entry holding a state snapshot it is not given again leaves that entry parked
+        and frees the caller's pages for its tokens, which a running request still reads.
+        False when the room cannot be had."""
+        m = self.cache.match(key)
+        if m.node is None:
+            return True
+        try:
+            return m.resident_len == m.hit_len or self.wake(m.node)
+        finally:
+            self.cache.unlock(m.node)
+
     def share_prefill(self, req: Request) -> None:
         """Give the full pages a prefill chunk just computed to the tree at once, so requests
         arriving while this one runs hit them (a shared system prompt), not only after it
@@ -113,6 +130,12 @@ class Sharing:
             assert req.slot is not None
             self.runner.copy_slots([req.slot], [slot])
         key = u32(req.tokens[:n])
+        if self.snapshots and not self.wake_path(key):
+            if slot is not None:
+                cache.free_slot(slot)
+            if n % pt:
+                cache.free_pages(u32(pages[-1:]))
+            return
         ins = cache.insert(key, u32(pages), slot)
         if ins.woken:
             self.metrics.woken.inc(ins.woken)

@@ -5,10 +5,14 @@ them back once those rows settle, and makes the snapshots a hit resumes from.
 Design notes
 ------------
 * A running request holds only the window pages its next rows can read, taken as its chunks
-  reach them (:meth:`WindowPages.grow`: a prefill chunk is cut to the pages that can be had,
-  so a lone request always runs on the slots the pool keeps) and given back once its rows
-  settle (:meth:`WindowPages.trim`, after a verify: a rejected draft never loses a window
-  entry it needs).
+  reach them (:meth:`WindowPages.grow`: a prefill chunk is cut to the pages that can be had)
+  and given back once its rows settle (:meth:`WindowPages.trim`, after a verify: a rejected
+  draft never loses a window entry it needs), except that it keeps :data:`RESERVE`, held or
+  spare, from its admission on: a decode step never needs more, so a running request is
+  never stopped by the snapshots its own locked path pins (the path of its hit and of the
+  snapshots its prefill shared). Admission takes them, or fails as for pages; the pool keeps
+  enough slots for a lone request and its hit's snapshot
+  (``kern.engine.load.WINDOW_SLOTS``).
 * A model with window pages resumes only at a snapshot (one window page), as a stateful one
   does at a state: at each entry's end (the request's last window page, the one before
   folded in: :meth:`WindowPages.release`, which needs no new page), at the prompt-end
@@ -30,7 +34,10 @@ from kern.pool import ids, u32
 if TYPE_CHECKING:
     from kern.engine.mover import Books
 
-__all__ = ["WindowPages"]
+__all__ = ["RESERVE", "WindowPages"]
+
+# Window pages a running request keeps, held or spare: the two a query's window spans.
+RESERVE = 2
 
 
 class WindowPages:
@@ -65,6 +72,18 @@ class WindowPages:
             if p >= 0:
                 self.memory.cache.free_slot(p)
 
+    def admit(self, hit: int) -> tuple[list[int], list[int]] | None:
+        """The window pages of a request starting at ``hit``: its table (the pages the
+        snapshot is copied into, at the indices its next token reads) and its spares, RESERVE
+        in all; None when they cannot be had."""
+        w = self.window
+        lo = max(0, hit - w + 1) // w
+        restore = (hit - 1) // w + 1 - lo if hit else 0
+        got = self.take(max(RESERVE, restore))
+        if got is None:
+            return None
+        return [-1] * lo + got[:restore] if hit else [], got[restore:]
+
     def grow(self, req: Request, k: int) -> int:
         """Window pages for ``req``'s next ``k`` rows, as many as can be had in order: the
         number of rows they cover (0: not even the next one's)."""
@@ -73,7 +92,7 @@ class WindowPages:
         for j in range(nc // w, (nc + k - 1) // w + 1):
             if j < len(window) and window[j] >= 0:
                 continue
-            page = self.take_one()
+            page = req.window_spare.pop() if req.window_spare else self.take_one()
             if page is None:
                 return max(0, j * w - nc)
             window.extend([-1] * (j + 1 - len(window)))
@@ -81,13 +100,18 @@ class WindowPages:
         return k
 
     def trim(self, req: Request) -> None:
-        """Give back the window pages before ``req``'s next row's window (its rows settled)."""
+        """Give back the window pages before ``req``'s next row's window (its rows settled),
+        keeping RESERVE, held or spare."""
         window = req.window
         if not window:
             return
         j = max(0, req.num_computed - self.window + 1) // self.window - 1
+        held = sum(p >= 0 for p in window[j + 1 :])
         while j >= 0 and window[j] >= 0:
-            self.memory.cache.free_slot(window[j])
+            if held + len(req.window_spare) < RESERVE:
+                req.window_spare.append(window[j])
+            else:
+                self.memory.cache.free_slot(window[j])
             window[j] = -1
             j -= 1
 
@@ -100,7 +124,9 @@ class WindowPages:
         if last is not None:
             self.memory.runner.snapshot_window(window, n, last)
         self.free([p for p in window if p != last])
+        self.free(req.window_spare)
         req.window = None
+        req.window_spare = []
         return last
 
     def share(self, req: Request, before: int) -> None:
@@ -117,6 +143,9 @@ class WindowPages:
                 return
             mem.runner.snapshot_window(req.window, end, page)
             key = u32(req.tokens[:end])
+            if not mem.wake_path(key):
+                cache.free_slot(page)
+                return
             ins = cache.insert(key, u32(req.block_table[: end // pt]), page)
             if ins.woken:
                 mem.metrics.woken.inc(ins.woken)

@@ -20,6 +20,10 @@ Design notes
 * KV and latent pages hold only what each position wrote, so every prefix hit is exact,
   a page copy is not a state snapshot, and a verify needs no rewind: rejected positions are
   overwritten when the sequence gets there again.
+* A kind may keep a sliding window's entries in **window pages** of their own (the pool's
+  slots; ``PageKind.window_tokens``, DeepSeek-V4's): a running sequence holds only the ones
+  its next rows read (``kern.engine.window_pages``), and a hit resumes only where the tree
+  holds a snapshot of the window (:meth:`Pages.snapshot`, :meth:`Pages.restore`).
 """
 
 from __future__ import annotations

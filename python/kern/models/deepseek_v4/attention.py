@@ -311,6 +311,9 @@ def attend(
             assert extra_valid is not None
             keys = torch.cat([keys, extra[a:b].float()], dim=1)
             valid = torch.cat([valid, extra_valid[a:b]], dim=1)
+        # Hidden keys read whatever their slot holds (a chunk's bytes change class: a pooling
+        # state's -inf may sit there): zero, so that their exact-zero weights stay zeros.
+        keys = torch.where(valid[..., None], keys, 0.0)
         s = (q[a:b].float()[:, :, None, :] * keys[:, None, :, :]).sum(-1) * scale  # [r, H, J]
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
         top = torch.maximum(s.amax(-1), sinks)  # [r, H]
