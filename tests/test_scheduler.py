@@ -189,6 +189,23 @@ def test_slot_growth_from_two_and_the_request_end_snapshot(stateful):
     h.assert_idle_and_clean()
 
 
+def test_a_prompt_ending_at_a_snapshot_resumes_at_the_one_before(stateful):
+    """A prompt as long as an earlier request's computed tokens ends exactly at its
+    request-end snapshot, which it cannot resume at (its last token is recomputed for its
+    logits): it resumes at the earlier request's prompt-end snapshot, not at nothing."""
+    drop_cache(stateful.cache)
+    h = Harness(stateful)
+    p = prompt(91, 13)
+    first = h.submit(p, 6, ignore_eos=True)
+    h.run()
+    edge = h.submit(first.tokens[:-1], 3, ignore_eos=True)  # its request-end snapshot's length
+    h.run()
+    h.assert_identical(first)
+    h.assert_identical(edge)
+    assert edge.cached_tokens == len(p) - 1
+    h.assert_idle_and_clean()
+
+
 @pytest.mark.parametrize("step_tokens", [None, 7])
 def test_a_repeated_prompt_resumes_from_the_prompt_end_snapshot(stateful, step_tokens):
     """Hits that end mid-page, on a page boundary, one past it, and around 64 (the chunk of

@@ -207,9 +207,15 @@ class Memory(Sharing):
         return True
 
     def _lookup(self, req: Request) -> Sequence[int]:
-        """The key admission matches (the page kind's: the request's tokens, or all but the
-        last on pages that hold a state at their last token)."""
-        return self.hits.hit_key(req.tokens)
+        """The key admission matches: the page kind's (the request's tokens), all but the
+        last token where a hit resumes only at a snapshot."""
+        key = self.hits.hit_key(req.tokens)
+        if self.snapshots:
+            # A snapshot resumes at most one token short of the prompt (the last is recomputed
+            # for its logits): one at the full length would be the deepest the match returns,
+            # and unusable, hiding the ones before it.
+            key = key[: len(req.tokens) - 1]
+        return key
 
     def _exact(self, m: Match, hit: int) -> int:
         """The longest part of ``hit`` a sequence may resume at, by the page kind's rule."""

@@ -299,12 +299,6 @@ class CompressedViews(Pages):
         pages = torch.tensor(list(window), device=dev)[at // w]
         return torch.stack([v.window[pages, at % w] for v in self.layers], dim=1)
 
-    def hit_key(self, tokens: Sequence[int]) -> Sequence[int]:
-        """All but the last token: a hit resumes at a snapshot at most one token short of the
-        prompt (the last is recomputed for its logits), so a snapshot at the prompt's full
-        length is never the deepest one a match returns."""
-        return tokens[: len(tokens) - 1]
-
     def state_end(self, window_page: int) -> int:
         """The position whose pooling state ``window_page`` holds (-1: none)."""
         return int(self._state_ends[window_page])
