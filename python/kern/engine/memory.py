@@ -8,9 +8,10 @@ Design notes
   (recompute the last token for logits), its node locked while the request runs; a parked
   hit is woken and its plan landed first; a hit ending mid-page has its shared page copied
   before anything is written past it. Which hits are exact is the page kind's rule
-  (``kern.models.pages.Pages``: pages that hold a state at their last token, DeepSeek-V4's,
-  only where that is the hit's last token). On a stateful model (qwen3_5) a hit is usable only
-  where a state snapshot sits, and the snapshot is copied into the request's own slot.
+  (``kern.models.pages.Pages.exact_hit``). A model that resumes only at snapshots (a
+  recurrent state, qwen3_5; a window, DeepSeek-V4) matches all but the prompt's last token,
+  uses a hit only where a snapshot sits, and copies the snapshot into its own slot (or the
+  window pages its next token reads).
 * A hit is worth taking only if it fits: one ending mid-page keeps its locked page *and*
   needs a copy of it, one page more than the same prompt without the hit, so when the pages
   cannot be had with the hit, admission retries without it (:meth:`Memory.admit`). Not when
