@@ -244,12 +244,13 @@ class Runner:
         w, out = self.window_tokens, []
         for i, c in enumerate(batch):
             end = c.start_pos + len(c.token_ids)
+            span = window_span(c.start_pos, end, w)
             if c.window is None:
                 if not self.own_windows:
                     raise ValueError(f"chunk {i}: this model's chunks need their window pages")
-                c = replace(c, window=shadow_window(c.block_table, self.page_tokens, w, end))
+                table = shadow_window(c.block_table, self.page_tokens, w, end, span.start)
+                c = replace(c, window=table)
             assert c.window is not None
-            span = window_span(c.start_pos, end, w)
             held = c.window[span.start : span.stop]
             if len(held) < len(span) or min(held) < 0 or max(held) >= self.num_slots:
                 raise ValueError(

@@ -19,14 +19,17 @@ def window_span(start: int, end: int, window: int) -> range:
     return range(max(0, start - window + 1) // window, (end - 1) // window + 1)
 
 
-def shadow_window(block_table: Sequence[int], page_tokens: int, window: int, end: int) -> list[int]:
+def shadow_window(
+    block_table: Sequence[int], page_tokens: int, window: int, end: int, start: int = 0
+) -> list[int]:
     """A window table for a runner that owns its memory (``Runner.with_pages``: tests,
     ``kern run``): window page ``j`` of a sequence is ``cdiv(page_tokens, window)`` window
     pages per page of the page its first position lies in, so two sequences with disjoint
-    pages never share one. Positions ``[0, end)``."""
+    pages never share one. Indices ``[0, cdiv(end, window))``, -1 before window page
+    ``start`` (a step reads only its span: no work for the whole context every step)."""
     per = cdiv(page_tokens, window)
-    out = []
-    for j in range(cdiv(end, window)):
+    out = [-1] * start
+    for j in range(start, cdiv(end, window)):
         p = j * window // page_tokens
         out.append(block_table[p] * per + j - cdiv(p * page_tokens, window))
     return out

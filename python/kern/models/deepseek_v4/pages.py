@@ -350,7 +350,4 @@ def window_tables(batch: Sequence[SeqChunk], window: int) -> tuple[Tensor, list[
         rows.append(list(c.window[span.start : span.stop]))
         bases.append(span.start)
     width = max(len(r) for r in rows)
-    table = torch.full((len(rows), width), -1, dtype=torch.long)
-    for b, r in enumerate(rows):
-        table[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return table, bases
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long), bases
