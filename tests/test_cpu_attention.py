@@ -211,3 +211,41 @@ def test_sinks_and_a_window_match_the_oracle_and_keep_the_fast_paths_bits(monkey
                 m.setattr(attention, *PLAIN[plain])
             slow = _attend_with_sinks(*args)
         assert torch.equal(_bits(fast), _bits(slow)), (plain, page, hk, rep, window, batch[:2])
+
+
+@pytest.mark.parametrize("plain", list(PLAIN))
+def test_a_window_plan_reads_only_the_window_and_keeps_every_bit(monkeypatch, plain):
+    """A plan for one sliding window (a sliding layer's window pages, gpt-oss): each unit reads
+    from its window's aligned start, table entries before it are -1 and the pages there NaN,
+    and every output bit is the one a plan reading from position 0 gives."""
+    rng = random.Random(f"window-plan-{plain}")
+    monkeypatch.setattr(attention, "CHUNK_BYTES", 1)
+    for trial in range(8):
+        page = rng.choice([16, 32])
+        hk, rep, d = rng.choice([1, 2]), rng.choice([1, 2, 4]), 32
+        window = rng.choice([5, 16, 40, 128])
+        batch = _batch(rng, page, long=trial % 2 == 0)
+        q_lens, ctx, tables = batch[:3]
+        gen = torch.Generator().manual_seed(trial)
+        q = torch.randn(sum(q_lens), hk * rep, d, generator=gen)
+        cache = torch.randn(batch[3], 2, hk, page, d, generator=gen)
+        sinks = torch.randn(hk * rep, generator=gen) * 3
+        want = _attend_with_sinks(batch, page, hk, rep, d, q, cache, sinks, window)
+
+        cut, gone = [], []
+        for n, c, table in zip(q_lens, ctx, tables, strict=True):
+            first = max(0, c - n - window + 1) // page
+            gone += table[:first]
+            cut.append([-1] * first + table[first:])
+        cache[gone] = float("nan")
+        chunks = [SeqChunk([0] * n, c - n, t) for n, c, t in zip(q_lens, ctx, cut, strict=True)]
+        step = build_step(chunks, page, torch.device("cpu"))
+        args = (step.q_starts, q_lens, ctx, step.block_tables, page, hk, rep, d, cache.stride(0))
+        plan = attention.plan_attention(*args, step.page_ids, step.page_offsets, window=window)
+        with monkeypatch.context() as m:
+            if PLAIN[plain] is not None:
+                m.setattr(attention, *PLAIN[plain])
+            got = attention.attend(plan, q, cache, 0.11, sinks, window)
+        assert torch.equal(_bits(got), _bits(want)), (plain, page, hk, rep, window, batch[:2])
+        with pytest.raises(ValueError, match="a plan for a sliding window of"):
+            attention.attend(plan, q, cache, 0.11, sinks, 0)

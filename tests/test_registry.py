@@ -57,11 +57,11 @@ def test_every_row_builds_its_family(name, tmp_path):
     pages = kind.of(config, torch.float32, 16)
     assert kind.fit(config, 16) is None
     arena = torch.zeros(2, *pages.page_shape)
-    # A kind with window pages (deepseek_v4's) binds them too: two, as the arena's slots.
+    # A kind with window pages (deepseek_v4's, gpt_oss's) binds them too: two, as the arena's slots.
     windows = torch.zeros(2, pages.window_bytes, dtype=torch.uint8) if pages.window_tokens else None
     bound = pages.bind(arena, arena.view(2, -1).view(torch.uint8), None, windows)
     assert isinstance(bound, Pages)
-    assert bound.window_tokens == pages.window_tokens == kind.windowed() * pages.window_tokens
+    assert bound.window_tokens == pages.window_tokens == kind.windowed(config) * pages.window_tokens
     shapes = family.tensor_shapes(config)
     if not config.tie_word_embeddings:
         assert family.head in shapes

@@ -14,7 +14,7 @@ back through it; a stateful model reads and writes the sequence's recurrent stat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ class Step:
     recurrent: object = None
     # Rows a model reads beside its tokens, [T, ...] (the MTP layer: the target's hidden).
     inputs: Tensor | None = None
+    # The step as layers that keep their K/V in window pages see it (their slots, tables and
+    # attention plan: ``Pages.window_step``); None without such layers.
+    window: Step | None = None
 
 
 def validate(
@@ -126,4 +129,44 @@ def build_step(batch: Sequence[SeqChunk], page_tokens: int, device: torch.device
         q_lens=q_lens,
         ctx_lens=ctx.tolist(),
         block_tables=torch.from_numpy(tables),
+    )
+
+
+def window_step(step: Step, batch: Sequence[SeqChunk], window: int) -> Step:
+    """``step`` (of ``batch``, each chunk with its window table) as layers that keep their
+    K/V in window pages of ``window`` positions see it: each row's slot in its window page
+    (``page_ids``, ``page_offsets``, ``slot_mapping``) and each chunk's table of window pages,
+    -1 before the ones its rows read (``block_tables``), so no kernel reads a window page the
+    sequence has given back. Built on the host from the chunks (no device read)."""
+    n = len(batch)
+    lens = np.array([len(c.token_ids) for c in batch], dtype=np.int64)
+    starts = np.array([c.start_pos for c in batch], dtype=np.int64)
+    ends = starts + lens
+    tables = np.full((n, int(cdiv(int(ends.max()), window))), -1, dtype=np.int64)
+    for row, c, s, e in zip(tables, batch, starts.tolist(), ends.tolist(), strict=True):
+        assert c.window is not None
+        first = max(0, s - window + 1) // window  # kern.models.window.window_span
+        last = cdiv(e, window)
+        row[first:last] = c.window[first:last]
+    seq_of_row = np.repeat(np.arange(n), lens)
+    q_starts = np.cumsum(lens) - lens
+    positions = np.arange(int(lens.sum()), dtype=np.int64) + (starts - q_starts)[seq_of_row]
+    page_ids = tables[seq_of_row, positions // window]
+    offsets = positions % window
+    dev = step.page_ids.device
+
+    def on_device(a: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+    return replace(
+        step,
+        page_ids=on_device(page_ids),
+        page_offsets=on_device(offsets),
+        slot_mapping=on_device(page_ids * window + offsets),
+        block_tables=torch.from_numpy(tables),
+        rope=None,
+        attention=None,
+        recurrent=None,
+        inputs=None,
+        window=None,
     )

@@ -284,3 +284,32 @@ def test_reference_rows_are_batch_and_chunk_invariant_with_a_window():
     ]
     fns = With(reference, torch.randn(8), 37)
     assert_invariant(fns, length, 8, 2, 128, 16, ways)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_pages_before_the_window_are_never_read(impl):
+    """A sliding layer's window pages (gpt-oss): the table holds -1 for the pages a sequence
+    gave back and their bytes are NaN; every row keeps the bits of a read through the whole
+    table."""
+    fns = {"reference": reference, "triton": paged_attention}[impl]
+    window, sinks = 20, torch.randn(8)
+    cache, step = make_batch(8, 2, 64, 16, torch.float32)
+    want = run_step(With(fns, sinks, window), cache, step, 0.125)
+    names = [seq.name for seq, _, _ in step]
+    table = cache.block_tables(names)
+    for b, (_, start, _) in enumerate(step):
+        first = max(0, start - window + 1) // cache.page_tokens
+        cache.arena[table[b, :first].long()] = float("nan")
+        table[b, :first] = -1
+    assert (table < 0).sum() >= 6
+    q = torch.cat([seq.q[start:stop] for seq, start, stop in step])
+    q_lens = torch.tensor([stop - start for _, start, stop in step])
+    query_start_loc = F.pad(q_lens.cumsum(0), (1, 0)).to(torch.int32)
+    seq_lens = torch.tensor([stop for _, _, stop in step], dtype=torch.int32)
+    out = fns.paged_attention(
+        q, cache.k_cache, cache.v_cache, table, seq_lens, query_start_loc, 0.125,
+        sinks=sinks, window=window,
+    )  # fmt: skip
+    for b, name in enumerate(names):
+        got = out[query_start_loc[b] : query_start_loc[b + 1]]
+        assert torch.equal(got.view(torch.int32), want[name].view(torch.int32)), name

@@ -233,8 +233,10 @@ class CpuOps:
         write, as row copies planned once per step)."""
         _cpu_attn.write_kv(step.attention, k, v, kv_cache)
 
-    def plan_attention(self, step: Step, kv_arena: Tensor, group: int):
-        """kv_arena: the runner's [P, layers, 2, Hk, page_tokens, D] arena."""
+    def plan_attention(self, step: Step, kv_arena: Tensor, group: int, window: int = 0):
+        """kv_arena: the runner's [P, layers, 2, Hk, page_tokens, D] arena. ``window`` > 0: a
+        plan for layers with that sliding window only, reading only the pages a unit's window
+        reaches (its table may hold -1 before them)."""
         _, _, _, hk, page_tokens, head_dim = kv_arena.shape
         return _cpu_attn.plan_attention(
             step.q_starts,
@@ -249,6 +251,7 @@ class CpuOps:
             step.page_ids,
             step.page_offsets,
             self.attention_scratch,
+            window=window,
         )
 
     def plan_latent_attention(self, step: Step, kv_arena: Tensor, num_heads: int):

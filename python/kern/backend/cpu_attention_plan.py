@@ -60,12 +60,20 @@ class CpuAttentionPlan:
     scratch: dict = field(default_factory=dict)
     # Window -> the groups with that sliding window's masks, made by the first layer that asks.
     windowed: dict = field(default_factory=dict)
+    # A plan made for one sliding window (plan_attention's ``window``): its groups read only
+    # the pages that window reaches, so only layers with that window may use it.
+    window: int = 0
 
     def groups_for(self, window: int) -> tuple[UnitGroup, ...]:
         """The groups as a layer with a sliding ``window`` (0: none) sees them: a row at
         position p sees keys p - window + 1 .. p, the earlier ones masked like later ones."""
-        if not window:
+        if window == self.window:
             return self.groups
+        if self.window:
+            raise ValueError(
+                f"a plan for a sliding window of {self.window} keys read by a layer with "
+                f"window {window}"
+            )
         kept = self.windowed.get(window)
         if kept is None:
             kept = self.windowed[window] = tuple(
@@ -98,12 +106,17 @@ def plan_attention(
     page_ids: Tensor,
     page_offsets: Tensor,
     scratch: dict | None = None,
+    *,
+    window: int = 0,
 ) -> CpuAttentionPlan:
     """block_tables: [B, max_pages] int64 (padding entries are never read); page_stride:
     elements from one page to the next in the arena; page_ids and page_offsets [T]: where
     this step's rows write their K/V. page_tokens must be a power of two (so that pages and
     key blocks tile each other). ``scratch``: a dict the caller keeps for its buffers across
     steps (one forward at a time may use it); None: buffers for this plan only.
+    ``window`` > 0: a plan for layers whose rows see only their last ``window`` keys; a unit
+    then reads from its window's start (aligned as :func:`_origins` says, so the bits are
+    those of a read from position 0), and table entries before that may be -1.
 
     Units are (sequence, tile of at most Q_TILE query rows). Short sequences (decode, verify)
     form one group; prefill tiles are sorted by how many key blocks they read and packed
@@ -123,6 +136,7 @@ def plan_attention(
         group_size,
         min_unit_rows,
         layout,
+        window,
     )
     small = [(b, 0, n) for b, n in enumerate(q_lens) if n <= SMALL_ROWS]
     groups = [_group(small, *args)] if small else []
@@ -152,6 +166,7 @@ def plan_attention(
         page_ids,
         page_offsets,
         {} if scratch is None else scratch,
+        window=window,
     )
 
 
@@ -165,6 +180,7 @@ def _group(
     group_size,
     min_unit_rows,
     layout,
+    window=0,
 ) -> UnitGroup:
     hk, d, page_stride = layout
     if len(units) * hk < 2:
@@ -180,15 +196,20 @@ def _group(
     rows = q_start[:, None] + t0[:, None] + local
     q_pos = first_pos[:, None] + local
     last_pos = first_pos + n - 1
-    num_keys = (int(last_pos.max()) // KEY_BLOCK + 1) * KEY_BLOCK
+    origin = _origins(first_pos, window, page_tokens)  # [I]: each unit's first key position
+    num_keys = (int((last_pos - origin).max()) // KEY_BLOCK + 1) * KEY_BLOCK
     # Whole pages are read; with pages longer than a key block the extra keys are masked
     # blocks, which add exact zeros (so the bits do not depend on page_tokens).
     num_pages = cdiv(num_keys, page_tokens)
     num_blocks = num_pages * page_tokens // KEY_BLOCK
-    k_pos = torch.arange(num_blocks * KEY_BLOCK)
     # Pages past a unit's context repeat its last page (any real page would do: masked).
-    page_idx = torch.minimum(torch.arange(num_pages)[None, :], ((ctx - 1) // page_tokens)[:, None])
-    pages = torch.gather(block_tables[seq], 1, page_idx)  # [I, NP]
+    last_page = ((ctx - 1) // page_tokens)[:, None]
+    page_idx = torch.minimum((origin // page_tokens)[:, None] + torch.arange(num_pages), last_page)
+    table = block_tables[seq]
+    pages = torch.gather(table, 1, page_idx)  # [I, NP]
+    if window:
+        # Pages before a unit's window (-1: given back) are read as its last page, masked.
+        pages = torch.where(pages < 0, torch.gather(table, 1, last_page), pages)
     # K: row (page, head, dim) of page_tokens keys; V: chunk (page, head) of page_tokens rows
     # of D values, after the K half of the page (see kv_views).
     k_rows = pages[:, None, None, :] * (page_stride // page_tokens) + torch.arange(hk * d).view(
@@ -199,9 +220,15 @@ def _group(
         + hk
         + torch.arange(hk)[None, :, None]
     )
-    tail = _tail_block(int(first_pos.min()), num_blocks)
-    k_pos = k_pos[tail * KEY_BLOCK :]
-    hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [I, R, (NB - tail) * KB]
+    if window:
+        k_pos = origin[:, None, None] + torch.arange(num_blocks * KEY_BLOCK)  # [I, 1, keys]
+        q = q_pos[:, :, None]
+        hidden = (k_pos > q) | (k_pos <= q - window)
+        tail = 0
+    else:
+        tail = _tail_block(int(first_pos.min()), num_blocks)
+        k_pos = torch.arange(tail * KEY_BLOCK, num_blocks * KEY_BLOCK)
+        hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [I, R, (NB - tail) * KB]
     hidden = hidden.repeat_interleave(group_size, dim=1).unsqueeze(1)  # [I, 1, M, ...]
     visible = (~hidden).float()
     bias = hidden.float() * _HIDDEN
@@ -221,6 +248,19 @@ def _group(
         num_blocks,
         q_pos,
     )
+
+
+def _origins(first_pos: Tensor, window: int, page_tokens: int) -> Tensor:
+    """Each unit's first key position: 0 without a window; with one, its first row's window
+    start rounded down to a multiple of ``align`` = 2 * max(window rounded up to a power of
+    two, page_tokens, KEY_BLOCK), a whole number of pages. The blocks' tree sum pairs blocks
+    by the low bits of their index (kern.backend.tree_sum), and a row's visible blocks span at
+    most align / (2 KEY_BLOCK) + 1 <= align / KEY_BLOCK of them, so an origin at a multiple of
+    align leaves every row's pairing, and so its bits, as a read from position 0 would."""
+    if not window:
+        return torch.zeros_like(first_pos)
+    align = 2 * max(1 << (window - 1).bit_length(), page_tokens, KEY_BLOCK)
+    return (first_pos - window + 1).clamp(min=0) // align * align
 
 
 def _windowed(g: UnitGroup, window: int, group_size: int) -> UnitGroup:

@@ -192,7 +192,9 @@ class CudaOps:
         k_cache, v_cache = self.kv_views(kv_cache)
         self._attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
 
-    def plan_attention(self, step: Step, kv_arena: Tensor, group: int):
+    def plan_attention(self, step: Step, kv_arena: Tensor, group: int, window: int = 0):
+        # ``window``: the kernels take it per call and read only the pages a row's window
+        # reaches, so the plan is the same.
         dev = self.device
         # The Triton kernel's tiles, once per step from host values: per layer they would
         # cost a device synchronisation each (the reference takes none).

@@ -1,11 +1,11 @@
 """gpt-oss: ``python -m kern.bench.gpt_oss``.
 
-1. Bytes at the released dims (gpt-oss-20b and gpt-oss-120b, their config.json values): the
-   KV pages' bytes a token (``Layout.of``, bf16) against its formula, and what a sequence of
-   128k tokens holds today, where every layer keeps every token, beside what it would hold
-   with the sliding layers' pages outside their window given back (not yet done: their pages
-   are shared with the full layers'); and the experts' weights as loaded (MXFP4 dequantised to
-   bf16) beside the release's MXFP4 bytes.
+1. Bytes at the released dims (gpt-oss-20b and gpt-oss-120b, their config.json values), bf16,
+   pages of 128 (``Layout.of``): a page's bytes a token (the full layers only) against its
+   formula, a window page's (the sliding layers' 128 positions), and what a running sequence
+   of 128k tokens holds (its pages and two window pages) beside what it held when every layer
+   kept every token on pages, and its ratio to the full layers' bytes plus one window; and the
+   experts' weights as loaded (MXFP4 dequantised to bf16) beside the release's MXFP4 bytes.
 2. CPU prefill and decode of the tiny config (``make-tiny gpt_oss``, seed 0, bf16 experts)
    against transformers in the same run, float32, best of ``--repeat``, the greedy answers
    compared first (``kern.bench.kimi.speed_rows``).
@@ -41,28 +41,35 @@ _CONTEXT = 131072
 
 def bytes_rows() -> list[str]:
     rows = [
-        "| model | KV pages a token | formula | 128k tokens today | 128k, windows given back "
+        "| model | pages a token | formula | a window page | 128k tokens before (every layer "
+        "on pages) | 128k tokens now | / (full layers + one window) "
         "| experts as loaded (bf16) | experts in the release (MXFP4) |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    pt = 128
     for name, raw in RELEASED.items():
         c = parse_config(raw)
-        layout = Layout.of(c, torch.bfloat16, 1)
+        layout = Layout.of(c, torch.bfloat16, pt)
         n, hk, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
         per_layer = 2 * hk * d * 2
-        assert layout.page_bytes == n * per_layer
         sliding = c.layer_types.count("sliding_attention")
         window = c.family_fields.sliding_window
-        today = _CONTEXT * layout.page_bytes
-        released = _CONTEXT * (n - sliding) * per_layer + sliding * window * per_layer
+        assert layout.page_bytes == pt * (n - sliding) * per_layer
+        assert layout.state_bytes == sliding * window * per_layer  # 128: a power of two
+        before = _CONTEXT * n * per_layer
+        # A running sequence: its pages and the two window pages it holds (the last window
+        # and the page being written, or a spare: kern.engine.window_pages).
+        now = -(-_CONTEXT // pt) * layout.page_bytes + 2 * layout.state_bytes
+        formula = _CONTEXT * (n - sliding) * per_layer + sliding * window * per_layer
         e = c.experts
         assert e is not None
         weights = n * e.num_experts * 3 * c.hidden_size * e.moe_intermediate_size
         # MXFP4: half a byte a weight and one e8m0 byte a 32 (biases are bf16 either way).
         mxfp4 = weights // 2 + weights // 32
         rows.append(
-            f"| {name} | {layout.page_bytes:,} | {n} layers x 2 x {hk} x {d} x 2 | "
-            f"{today / 2**30:.2f} GiB | {released / 2**30:.2f} GiB | "
+            f"| {name} | {layout.page_bytes // pt:,} | {n - sliding} full layers x 2 x {hk} x "
+            f"{d} x 2 | {layout.state_bytes / 2**20:.2f} MiB | {before / 2**30:.2f} GiB | "
+            f"{now / 2**30:.2f} GiB | {now / formula:.3f} | "
             f"{2 * weights / 2**30:.1f} GiB | {mxfp4 / 2**30:.1f} GiB |"
         )
     return rows

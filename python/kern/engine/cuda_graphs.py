@@ -106,6 +106,8 @@ def why_not(runner: Runner) -> str | None:
         return f"{family} reads device values back on the host in its forward"
     if runner.model.rope[0] is not None:
         return "YaRN's RoPE tables are built on the host every step"
+    if runner.window_tokens:
+        return "its window pages' tables are built on the host every step"
     return None
 
 

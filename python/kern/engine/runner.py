@@ -229,7 +229,15 @@ class Runner:
         caches = Caches(self.pages.layers, [], [], taps=dict.fromkeys(self.taps))
         recurrent = self._plan_states(batch, step, caches) if self.stateful else None
         rope = self.model.plan_rope(step)
-        step = replace(step, rope=rope, attention=attention, recurrent=recurrent, inputs=inputs)
+        window = self.pages.window_step(step, batch)
+        step = replace(
+            step,
+            rope=rope,
+            attention=attention,
+            recurrent=recurrent,
+            inputs=inputs,
+            window=window,
+        )
         hidden = self.model.forward(step, caches)
         self.pages.stepped(step)
         if self.keep_hidden:

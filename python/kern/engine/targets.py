@@ -242,11 +242,11 @@ def check_target(target: Target, *, serving: bool) -> ModelConfig:
     unfit = registry.of(config).page_kind().fit(config, target.page_tokens)
     if unfit is not None:
         raise UsageError(f"{target.where('page_tokens')}: {unfit}")
-    if target.snapshot_pages is not None and not registry.of(config).page_kind().windowed():
+    if target.snapshot_pages is not None and not registry.of(config).page_kind().windowed(config):
         raise UsageError(
             f"{target.where('snapshot_pages')}: snapshot_pages = {target.snapshot_pages} "
-            f"applies to models with window pages (deepseek_v4); {config.model_type} resumes "
-            "at any page"
+            f"applies to models with window pages (deepseek_v4, gpt_oss with sliding layers); "
+            f"this {config.model_type} checkpoint resumes at any page"
         )
     if target.draft is not None and target.widest_rows < 2:
         raise UsageError(

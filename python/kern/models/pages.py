@@ -9,7 +9,8 @@ Design notes
   the per-layer views the layers read and write, the step's attention plan, the K/V at a
   position, which prefix hits are exact, and what a verify's rewind must restore.
 * Two kinds here, one per family in its folder (DeepSeek-V4's compressed pages,
-  ``kern.models.deepseek_v4.pages``); the registry row names a family's kind.
+  ``kern.models.deepseek_v4.pages``; gpt-oss's sliding-window K/V,
+  ``kern.models.gpt_oss.pages``); the registry row names a family's kind.
   - :class:`KvPages` (GQA): each layer's K and V per head, ``[attention layers, 2, Hk,
     page_tokens, D]``. How K and V sit inside a page is the backend's choice (the CPU stores
     K transposed; ``ops.kv_views``), not the kind's.
@@ -21,7 +22,8 @@ Design notes
   a page copy is not a state snapshot, and a verify needs no rewind: rejected positions are
   overwritten when the sequence gets there again.
 * A kind may keep a sliding window's entries in **window pages** of their own (the pool's
-  slots; ``PageKind.window_tokens``, DeepSeek-V4's): a running sequence holds only the ones
+  slots; ``PageKind.window_tokens``, DeepSeek-V4's and gpt-oss's): a running sequence holds
+  only the ones
   its next rows read (``kern.engine.window_pages``), and a hit resumes only where the tree
   holds a snapshot of the window (:meth:`Pages.snapshot`, :meth:`Pages.restore`).
 """
@@ -65,8 +67,9 @@ class PageKind:
         return None
 
     @classmethod
-    def windowed(cls) -> bool:
-        """Whether this kind keeps window pages (before any config: what a target may set)."""
+    def windowed(cls, config: ModelConfig) -> bool:
+        """Whether this kind keeps window pages for ``config`` (before a dtype or a page size:
+        what a target may set)."""
         return False
 
     @property
@@ -121,6 +124,11 @@ class Pages:
     def plan(self, step: Step, batch: Sequence[SeqChunk]) -> object:
         """The step's attention plan (the backend's index structures every layer reads)."""
         raise NotImplementedError
+
+    def window_step(self, step: Step, batch: Sequence[SeqChunk]) -> Step | None:
+        """``step`` as the layers that keep their K/V in window pages see it (their slots, their
+        tables, their attention plan), for ``Step.window``; None: no such layer."""
+        return None
 
     def stepped(self, step: Step) -> None:
         """After the forward of ``step`` (its plan in ``step.attention``)."""

@@ -246,7 +246,8 @@ def paged_attention(
     page_tokens must be a power of two; the caches' last dim must be contiguous. ``tiles``
     is `attention_tiles` of the same query_start_loc, made once per step by a caller that
     calls this for every layer; without it each call reads query_start_loc back to the host
-    (a device synchronisation per layer). ``sinks`` and ``window``: see the reference.
+    (a device synchronisation per layer). ``sinks`` and ``window``: see the reference; no page
+    before a tile's first row's window is read (table entries there may be -1).
     """
     check_device(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     _check_cache(k_cache, v_cache)

@@ -48,17 +48,21 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     v_cache[page_ids, offsets] = v.to(v_cache.dtype)
 
 
-def _blocks(cache: Tensor, block_table: Tensor, seq_len: int, kv_block: int, group: int):
-    """A sequence's keys (or values) as float32 [num_blocks, Hq, kv_block, D], zero padded
-    past seq_len, each KV head repeated over its `group` query heads. Gathered once per
-    sequence; each block is contiguous, so every matmul sees the same layout."""
+def _blocks(
+    cache: Tensor, block_table: Tensor, seq_len: int, kv_block: int, group: int, lo: int = 0
+):
+    """A sequence's keys (or values) as float32 [num_blocks, Hq, kv_block, D], zero before
+    position ``lo`` (a window's start: the table may hold -1 for the pages before it, which
+    are not read) and past seq_len, each KV head repeated over its `group` query heads.
+    Gathered once per sequence; each block is contiguous, so every matmul sees the same
+    layout."""
     page_tokens, num_kv_heads, head_dim = cache.shape[1:]
     num_blocks = cdiv(seq_len, kv_block)
-    positions = torch.arange(seq_len, device=cache.device)
+    positions = torch.arange(lo, seq_len, device=cache.device)
     pages = block_table[positions // page_tokens].long()
     out = torch.zeros(num_blocks * kv_block, num_kv_heads, head_dim, device=cache.device)
     # Advanced indexing on (page, offset) reads through any strides.
-    out[:seq_len] = cache[pages, positions % page_tokens].float()
+    out[lo:seq_len] = cache[pages, positions % page_tokens].float()
     out = out.view(num_blocks, kv_block, num_kv_heads, head_dim).transpose(1, 2)
     return out.repeat_interleave(group, dim=1).contiguous()
 
@@ -91,7 +95,9 @@ def paged_attention(
     ``sinks`` ([Hq] float, gpt-oss's): a learned logit per query head that joins each row's
     softmax denominator and adds no value. ``window`` > 0: a row at position p sees only keys
     at p - window + 1 .. p (a sliding-window layer); blocks before a tile's window are still
-    folded, as exact no-ops, so a row's bits do not depend on its place in the tile.
+    folded, as exact no-ops, so a row's bits do not depend on its place in the tile, and
+    pages before the window of the call's first row are not read (their table entries may be
+    -1: window pages given back).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // k_cache.shape[2]
@@ -104,8 +110,10 @@ def paged_attention(
         if q_len == 0:
             continue
         first_pos = seq_len - q_len  # absolute position of this call's first query row
-        k_blocks = _blocks(k_cache, block_tables[b], seq_len, kv_block, group)
-        v_blocks = _blocks(v_cache, block_tables[b], seq_len, kv_block, group)
+        # A window's first key: no row of the call reads an earlier one.
+        lo = max(first_pos - window + 1, 0) if window else 0
+        k_blocks = _blocks(k_cache, block_tables[b], seq_len, kv_block, group, lo)
+        v_blocks = _blocks(v_cache, block_tables[b], seq_len, kv_block, group, lo)
         for t0 in range(0, q_len, q_block):
             rows = min(q_block, q_len - t0)
             # [Hq, q_block, D], zero padded past `rows`

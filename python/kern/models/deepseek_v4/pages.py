@@ -158,7 +158,7 @@ class CompressedPages(PageKind):
         return cls(pt, shape, 0, dtype, d, di, tuple(layers), nbytes, rates, w, wpage.at)
 
     @classmethod
-    def windowed(cls) -> bool:
+    def windowed(cls, config: ModelConfig) -> bool:
         return True
 
     @property
@@ -337,7 +337,8 @@ class CompressedViews(Pages):
     def restore(self, src: int, dst: Sequence[int]) -> None:
         if dst:
             at = torch.tensor(list(dst), device=self.window_rows.device)
-            self.window_rows[at] = self.window_rows[src]
+            # A copy first: an index write refuses a source inside its own tensor.
+            self.window_rows[at] = self.window_rows[src].clone()
 
 
 def window_tables(batch: Sequence[SeqChunk], window: int) -> tuple[Tensor, list[int]]:

@@ -5,7 +5,8 @@ a clamped SwiGLU.
 Matches transformers 5.23 ``GptOssForCausalLM``:
 * attention: a row's softmax runs over its visible keys and its head's sink logit, and the
   sink's weight is dropped (it adds no value); a sliding layer's row at position p sees keys
-  p - window + 1 .. p (``kern.kernels.paged_attention``'s ``sinks`` and ``window``);
+  p - window + 1 .. p (``kern.kernels.paged_attention``'s ``sinks`` and ``window``), kept in
+  window pages (``kern.models.gpt_oss.pages``) and read through ``Step.window``;
 * the router is a linear with bias; its top-k logits go through a softmax (weights sum to 1);
 * an expert's gate_up rows interleave gate (even) and up (odd); it computes
   ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=l)``, then
@@ -61,8 +62,13 @@ class SinkAttention:
         qk = ops.rotary(heads[:, : h + hk], step.rope, self.rotary_dim)
         q, k, v = qk[:, :h], qk[:, h:], heads[:, h + hk :]
         kv_cache = caches.kv[self.kv_index]
-        ops.write_kv(step, k, v, kv_cache)
-        o = ops.attention(step, q, kv_cache, self.scale, sinks=self.sinks, window=self.window)
+        # A sliding layer's K/V live in window pages: its own view of the step (their slots).
+        at = step
+        if self.window:
+            assert step.window is not None, "a sliding layer's page kind keeps window pages"
+            at = step.window
+        ops.write_kv(at, k, v, kv_cache)
+        o = ops.attention(at, q, kv_cache, self.scale, sinks=self.sinks, window=self.window)
         return ops.linear(o.reshape(n, h * d), self.w_o, self.b_o)
 
 
