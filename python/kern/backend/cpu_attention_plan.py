@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -182,17 +183,18 @@ def _group(
     layout,
     window=0,
 ) -> UnitGroup:
+    # Index arithmetic in numpy: a small array op costs about a microsecond there and several
+    # in torch, and a decode step builds a plan of a few dozen of them.
     hk, d, page_stride = layout
     if len(units) * hk < 2:
         units = [*units, *units]  # a batch of one matmul takes the plain gemm (see notes)
     r = max(max(n for _, _, n in units), min_unit_rows)
-    seq = torch.tensor([b for b, _, _ in units])
-    t0 = torch.tensor([t for _, t, _ in units])
-    n = torch.tensor([k for _, _, k in units])
-    q_start = torch.tensor(q_starts)[seq]
-    ctx = torch.tensor(ctx_lens)[seq]
-    first_pos = ctx - torch.tensor(q_lens)[seq] + t0  # position of each unit's first row
-    local = torch.minimum(torch.arange(r)[None, :], (n - 1)[:, None])  # [I, R]
+    u = np.array(units, dtype=np.int64).reshape(-1, 3)
+    seq, t0, n = u[:, 0], u[:, 1], u[:, 2]
+    q_start = np.asarray(q_starts, dtype=np.int64)[seq]
+    ctx = np.asarray(ctx_lens, dtype=np.int64)[seq]
+    first_pos = ctx - np.asarray(q_lens, dtype=np.int64)[seq] + t0  # each unit's first row
+    local = np.minimum(np.arange(r)[None, :], (n - 1)[:, None])  # [I, R]
     rows = q_start[:, None] + t0[:, None] + local
     q_pos = first_pos[:, None] + local
     last_pos = first_pos + n - 1
@@ -204,53 +206,54 @@ def _group(
     num_blocks = num_pages * page_tokens // KEY_BLOCK
     # Pages past a unit's context repeat its last page (any real page would do: masked).
     last_page = ((ctx - 1) // page_tokens)[:, None]
-    page_idx = torch.minimum((origin // page_tokens)[:, None] + torch.arange(num_pages), last_page)
-    table = block_tables[seq]
-    pages = torch.gather(table, 1, page_idx)  # [I, NP]
+    page_idx = np.minimum((origin // page_tokens)[:, None] + np.arange(num_pages), last_page)
+    table = block_tables.numpy()[seq]
+    pages = np.take_along_axis(table, page_idx, 1)  # [I, NP]
     if window:
         # Pages before a unit's window (-1: given back) are read as its last page, masked.
-        pages = torch.where(pages < 0, torch.gather(table, 1, last_page), pages)
+        pages = np.where(pages < 0, np.take_along_axis(table, last_page, 1), pages)
     # K: row (page, head, dim) of page_tokens keys; V: chunk (page, head) of page_tokens rows
     # of D values, after the K half of the page (see kv_views).
-    k_rows = pages[:, None, None, :] * (page_stride // page_tokens) + torch.arange(hk * d).view(
+    k_rows = pages[:, None, None, :] * (page_stride // page_tokens) + np.arange(hk * d).reshape(
         1, hk, d, 1
     )
     v_rows = (
-        pages[:, None, :] * (page_stride // (page_tokens * d))
-        + hk
-        + torch.arange(hk)[None, :, None]
+        pages[:, None, :] * (page_stride // (page_tokens * d)) + hk + np.arange(hk)[None, :, None]
     )
     if window:
-        k_pos = origin[:, None, None] + torch.arange(num_blocks * KEY_BLOCK)  # [I, 1, keys]
+        k_pos = origin[:, None, None] + np.arange(num_blocks * KEY_BLOCK)  # [I, 1, keys]
         q = q_pos[:, :, None]
         hidden = (k_pos > q) | (k_pos <= q - window)
         tail = 0
     else:
         tail = _tail_block(int(first_pos.min()), num_blocks)
-        k_pos = torch.arange(tail * KEY_BLOCK, num_blocks * KEY_BLOCK)
+        k_pos = np.arange(tail * KEY_BLOCK, num_blocks * KEY_BLOCK)
         hidden = k_pos[None, None, :] > q_pos[:, :, None]  # [I, R, (NB - tail) * KB]
-    hidden = hidden.repeat_interleave(group_size, dim=1).unsqueeze(1)  # [I, 1, M, ...]
-    visible = (~hidden).float()
-    bias = hidden.float() * _HIDDEN
-    real = torch.arange(r)[None, :] < n[:, None]
-    src = real.flatten().nonzero().flatten()
-    dst = rows.flatten()[src]
+    hidden = np.repeat(hidden, group_size, axis=1)[:, None]  # [I, 1, M, ...]
+    visible = (~hidden).astype(np.float32)
+    bias = hidden.astype(np.float32) * np.float32(_HIDDEN)
+    src = np.flatnonzero(np.arange(r)[None, :] < n[:, None])
+    dst = rows.reshape(-1)[src]
     return UnitGroup(
-        rows,
-        k_rows.flatten(),
-        v_rows.flatten(),
+        _tensor(rows),
+        _tensor(k_rows.reshape(-1)),
+        _tensor(v_rows.reshape(-1)),
         tail,
-        bias,
-        visible,
-        src,
-        dst,
-        pages.flatten(),
+        _tensor(bias),
+        _tensor(visible),
+        _tensor(src),
+        _tensor(dst),
+        _tensor(pages.reshape(-1)),
         num_blocks,
-        q_pos,
+        _tensor(q_pos),
     )
 
 
-def _origins(first_pos: Tensor, window: int, page_tokens: int) -> Tensor:
+def _tensor(a: np.ndarray) -> Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _origins(first_pos: np.ndarray, window: int, page_tokens: int) -> np.ndarray:
     """Each unit's first key position: 0 without a window; with one, its first row's window
     start rounded down to a multiple of ``align`` = 2 * max(window rounded up to a power of
     two, page_tokens, KEY_BLOCK), a whole number of pages. The blocks' tree sum pairs blocks
@@ -258,9 +261,9 @@ def _origins(first_pos: Tensor, window: int, page_tokens: int) -> Tensor:
     most align / (2 KEY_BLOCK) + 1 <= align / KEY_BLOCK of them, so an origin at a multiple of
     align leaves every row's pairing, and so its bits, as a read from position 0 would."""
     if not window:
-        return torch.zeros_like(first_pos)
+        return np.zeros_like(first_pos)
     align = 2 * max(1 << (window - 1).bit_length(), page_tokens, KEY_BLOCK)
-    return (first_pos - window + 1).clamp(min=0) // align * align
+    return np.maximum(first_pos - window + 1, 0) // align * align
 
 
 def _windowed(g: UnitGroup, window: int, group_size: int) -> UnitGroup:
@@ -268,11 +271,12 @@ def _windowed(g: UnitGroup, window: int, group_size: int) -> UnitGroup:
     is past its first ``window`` keys."""
     if int(g.q_pos.max()) < window:
         return g
-    k_pos = torch.arange(g.num_blocks * KEY_BLOCK)
-    q_pos = g.q_pos[:, :, None]
+    k_pos = np.arange(g.num_blocks * KEY_BLOCK)
+    q_pos = g.q_pos.numpy()[:, :, None]
     hidden = (k_pos[None, None, :] > q_pos) | (k_pos[None, None, :] <= q_pos - window)
-    hidden = hidden.repeat_interleave(group_size, dim=1).unsqueeze(1)
-    return replace(g, tail=0, bias=hidden.float() * _HIDDEN, visible=(~hidden).float())
+    hidden = np.repeat(hidden, group_size, axis=1)[:, None]
+    bias = _tensor(hidden.astype(np.float32) * np.float32(_HIDDEN))
+    return replace(g, tail=0, bias=bias, visible=_tensor((~hidden).astype(np.float32)))
 
 
 def _tail_block(first_pos: int, num_blocks: int) -> int:
