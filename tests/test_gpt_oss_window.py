@@ -6,10 +6,9 @@ small pools answers as kern run; a budget that cannot hold a window is refused b
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from support.scheduler import Harness, load, prompt
+from support.window_traffic import drafts_across_windows, held, random_traffic, windows_follow
 
 from kern.arith import cdiv
 from kern.engine.load import Engine
@@ -18,11 +17,6 @@ from kern.kern_toml import Target
 from kern.models.gpt_oss.pages import window_page_tokens
 
 WINDOW = window_page_tokens(8)  # the tiny model's window (8) as its window pages hold it
-
-
-def held(req) -> list[int]:
-    """The window page indices ``req`` holds."""
-    return [j for j, p in enumerate(req.window or []) if p >= 0]
 
 
 def test_window_pages_hold_a_whole_window_in_a_power_of_two():
@@ -57,36 +51,13 @@ def test_a_running_sequence_holds_its_full_layers_pages_and_two_window_pages(tin
 def test_window_pages_are_given_back_in_prefill_chunks_and_decode(tiny_dir):
     """After every step a request holds exactly the window pages its next row reads (the
     last window's); the answer is kern run's."""
-    engine = load(tiny_dir("gpt_oss"), pool_bytes=2**20, page_tokens=4)
-    h = Harness(engine, max_step_tokens=24)
-    req = h.submit(prompt(3, 150), 30, ignore_eos=True)
-    seen = 0
-    while h.open:
-        h.step()
-        if req.window is not None:
-            nc = req.num_computed
-            want = range(max(0, nc - WINDOW + 1) // WINDOW, (nc - 1) // WINDOW + 1)
-            assert held(req) == list(want), (nc, held(req))
-            seen += 1
-    assert seen > 30
-    h.assert_identical(req)
-    h.assert_idle_and_clean()
+    windows_follow(load(tiny_dir("gpt_oss"), pool_bytes=2**20, page_tokens=4), WINDOW)
 
 
 def test_speculative_rows_keep_their_window_across_a_page_given_back(tiny_dir):
     """n-gram drafts through the scheduler on a repetitive prompt: rounds cross window pages,
     some drafts are rejected, and the answer is rows 1's."""
-    engine = load(tiny_dir("gpt_oss"), pool_bytes=2**20, page_tokens=4)
-    h = Harness(engine, rows=5)
-    base = prompt(55, 40)
-    req = h.submit(base + base[:20] + base, 60, ignore_eos=True)
-    h.run()
-    h.assert_identical(req)
-    m = h.sched.metrics
-    drafted = m.spec_draft_tokens._value.get()
-    accepted = m.spec_accepted_tokens._value.get()
-    assert 0 < accepted < drafted
-    h.assert_idle_and_clean()
+    drafts_across_windows(load(tiny_dir("gpt_oss"), pool_bytes=2**20, page_tokens=4), 55)
 
 
 @pytest.mark.parametrize("snapshot_pages", [1, 2])
@@ -135,32 +106,9 @@ def test_random_traffic_on_window_pages(
     every step (window pages counted as the requests' own), nothing hangs and nothing is left
     held."""
     engine = load(tiny_dir("gpt_oss"), pool_bytes=pool_bytes, host_bytes=host_bytes, page_tokens=4)
-    h = Harness(engine, max_step_tokens=step_tokens, rows=3)
-    rng = random.Random(seed)
-    bases = [prompt(400 + i, 40) for i in range(3)]
-    reqs, aborted = [], set()
-    for _ in range(14):
-        p = bases[rng.randrange(3)][: rng.randrange(2, 40)]
-        reqs.append(h.submit(p, rng.randrange(1, answers), ignore_eos=True))
-        if rng.random() < 0.2 and h.open:
-            victim = h.open[rng.randrange(len(h.open))]
-            h.abort(victim)
-            aborted.add(victim)
-        for _ in range(rng.randrange(4)):
-            h.step()
-    h.run(max_steps=2000)
-    for r in reqs:
-        got = h.answer(r)
-        assert got == h.expected(r.prompt_ids, r.max_tokens, ignore_eos=True)[: len(got)]
-        if r not in aborted:
-            h.assert_identical(r)
-    m = h.sched.metrics
-    assert m.prefix_hits._value.get() > 0
-    if answers > 12:
-        assert m.preemptions._value.get() > 0
-    if host_bytes:
-        assert m.parked._value.get() > 0
-    h.assert_idle_and_clean()
+    random_traffic(
+        engine, step_tokens=step_tokens, seed=seed, answers=answers, host_bytes=host_bytes
+    )
 
 
 def test_the_released_bytes_are_the_full_layers_and_one_window():

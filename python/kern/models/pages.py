@@ -114,6 +114,9 @@ class Pages:
     # keeps whole: a running sequence holds only the window pages its attention can still
     # read, a cached prefix one window page folded into a snapshot where a hit may resume.
     window_tokens: int = 0
+    # The window pages as rows of bytes ([num_window_pages, >= window_bytes] uint8; None
+    # without them): what snapshots and restores copy whole.
+    window_rows: Tensor | None = None
 
     def __init__(self, kind: PageKind, layers: list, ops: Any) -> None:
         self.kind = kind
@@ -164,15 +167,32 @@ class Pages:
 
     def snapshot(self, window: Sequence[int], end: int, dst: int) -> None:
         """Make window page ``dst`` the snapshot a sequence resumes from at ``end``: the
-        window before ``end`` and the state after ``end - 1``, from the sequence's window
-        pages ``window`` (``dst`` may be the one holding ``end - 1``: then it is folded in
-        place)."""
+        window before ``end`` (at offsets ``position % window_tokens``) and what the page of
+        ``end - 1`` holds after it, from the sequence's window pages ``window`` (``dst`` may be
+        the one holding ``end - 1``: then the previous page is folded in, in place)."""
+        assert self.window_rows is not None
+        w = self.window_tokens
+        j = (end - 1) // w
+        src = window[j]
+        if dst != src:
+            self.window_rows[dst] = self.window_rows[src]
+        cut = end % w
+        if cut and j > 0 and window[j - 1] >= 0:
+            self.fold(window[j - 1], dst, cut)
+
+    def fold(self, prev: int, dst: int, cut: int) -> None:
+        """Copy every layer's window entries at offsets ``cut ..`` of window page ``prev``
+        into ``dst`` (a snapshot's older part of the window)."""
         raise NotImplementedError
 
     def restore(self, src: int, dst: Sequence[int]) -> None:
         """Copy snapshot ``src`` into window pages ``dst``: each then holds, at every
         position a resumed sequence reads before writing, what the snapshot's sequence had."""
-        raise NotImplementedError
+        assert self.window_rows is not None
+        if dst:
+            at = torch.tensor(list(dst), device=self.window_rows.device)
+            # A copy first: an index write refuses a source inside its own tensor.
+            self.window_rows[at] = self.window_rows[src].clone()
 
 
 @dataclass(frozen=True)

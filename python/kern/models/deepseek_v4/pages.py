@@ -321,24 +321,9 @@ class CompressedViews(Pages):
         ca.rewind(self._verify_plan, first + num_rows - 1, window[last // w])
         self._state_ends[window[last // w]] = last
 
-    def snapshot(self, window: Sequence[int], end: int, dst: int) -> None:
-        w = self.window_tokens
-        j = (end - 1) // w
-        src = window[j]
-        if dst != src:
-            self.window_rows[dst] = self.window_rows[src]
-        cut = end % w
-        if cut and j > 0 and window[j - 1] >= 0:
-            # The window's older part: positions end - w + cut.. of the previous page.
-            prev = window[j - 1]
-            for v in self.layers:
-                v.window[dst, cut:] = v.window[prev, cut:]
-
-    def restore(self, src: int, dst: Sequence[int]) -> None:
-        if dst:
-            at = torch.tensor(list(dst), device=self.window_rows.device)
-            # A copy first: an index write refuses a source inside its own tensor.
-            self.window_rows[at] = self.window_rows[src].clone()
+    def fold(self, prev: int, dst: int, cut: int) -> None:
+        for v in self.layers:
+            v.window[dst, cut:] = v.window[prev, cut:]
 
 
 def window_tables(batch: Sequence[SeqChunk], window: int) -> tuple[Tensor, list[int]]:

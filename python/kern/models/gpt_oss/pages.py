@@ -188,25 +188,8 @@ class SlidingKvViews(Pages):
             out.append(torch.stack([k[where], v[where]], dim=1))
         return torch.stack(out, dim=1)
 
-    def snapshot(self, window: Sequence[int], end: int, dst: int) -> None:
-        assert self.window_rows is not None
-        w = self.window_tokens
-        j = (end - 1) // w
-        src = window[j]
-        if dst != src:
-            self.window_rows[dst] = self.window_rows[src]
-        cut = end % w
-        if cut and j > 0 and window[j - 1] >= 0:
-            # The window's older part: positions end - w + cut.. of the previous page.
-            prev = window[j - 1]
-            for layer, sliding in zip(self.layers, self.kind.sliding, strict=True):
-                if sliding:
-                    for part in self.ops.kv_views(layer):
-                        part[dst, cut:] = part[prev, cut:]
-
-    def restore(self, src: int, dst: Sequence[int]) -> None:
-        assert self.window_rows is not None
-        if dst:
-            at = torch.tensor(list(dst), device=self.window_rows.device)
-            # A copy first: an index write refuses a source inside its own tensor.
-            self.window_rows[at] = self.window_rows[src].clone()
+    def fold(self, prev: int, dst: int, cut: int) -> None:
+        for layer, sliding in zip(self.layers, self.kind.sliding, strict=True):
+            if sliding:
+                for part in self.ops.kv_views(layer):
+                    part[dst, cut:] = part[prev, cut:]
