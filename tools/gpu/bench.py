@@ -3,16 +3,20 @@
     python tools/gpu/bench.py SECTION [--small] [--work DIR]
 
 Sections:
-* ``copy``: the device's copy bandwidth (bytes read + written per second), the roofline's
-  denominator, measured in the same run as what is compared with it.
+* ``copy``: the device's copy bandwidth (bytes read + written per second) and its read
+  bandwidth (a sum over a buffer many times L2: the decode roofline's denominator), beside
+  the datasheet's.
 * ``gemm``: ``kern.kernels.matmul`` (the batch-invariant linear) against cuBLAS
   (``F.linear``) at M = 1, 8, 64 on the linears of a ~0.6B and a ~4B qwen3, a row's bits at
   M = 1, 3, 16, 64 and in every place, and other tiles timed at M = 1 and 64 (candidates
   only: kern runs ``tile(N, K)``).
-* ``decode``: make-tiny qwen3 ~0.6B and ~4B in bf16 through kern's runner on the device:
-  decode tokens/s at batch 1, 8, 64 beside the HBM roofline (weight + KV bytes read per step
-  over the copy bandwidth) and transformers' ``generate`` on the same weights; prefill
-  tokens/s of one 2,048-token prompt.
+* ``decode`` (``bench_decode.py``): make-tiny qwen3 ~0.6B, ~4B and ~8B in bf16 through kern's
+  runner on the device, eager and through CUDA graphs: ms a step and tokens/s at batch 1, 8,
+  64, the step's bytes (weights + KV) over the measured read bandwidth and over the datasheet
+  peak, transformers' ``generate`` on the ~0.6B, other servers' figures named beside them;
+  prefill tokens/s of one 2,048-token prompt.
+* ``sync`` (``bench_sync.py``): one eager decode step with the forward under
+  ``torch.cuda.set_sync_debug_mode("error")``, and the whole step's synchronisations counted.
 * ``graphs``: the decode step's CUDA graphs on the ~0.6B: a real row's logits bits padded
   to each captured size against eager, the capture time, ms/step eager and replayed at
   batch 1, 8, 64.
@@ -26,12 +30,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import MODELS, SMALL, _load, _runner, device, timed
+from common import (
+    MODELS,
+    SMALL,
+    device,
+    read_bandwidth,
+    spec_read_bandwidth,
+    timed,
+)
 
 
 def copy_bandwidth(small: bool) -> float:
@@ -75,8 +85,13 @@ def section_env(args) -> dict:
 
 def section_copy(args) -> dict:
     bw = copy_bandwidth(args.small)
+    read = read_bandwidth(args.small)
+    name, peak = spec_read_bandwidth()
     print(f"copy bandwidth (read + written): {bw / 1e12:.2f} TB/s")
-    return {"copy_bytes_per_s": bw}
+    print(f"read bandwidth (a sum over a buffer many times L2): {read / 1e12:.2f} TB/s")
+    if peak:
+        print(f"{name}'s datasheet bandwidth: {peak / 1e12:.2f} TB/s")
+    return {"copy_bytes_per_s": bw, "read_bytes_per_s": read, "spec_bytes_per_s": peak}
 
 
 def linear_shapes(sizes: dict) -> list[tuple[str, int, int]]:
@@ -191,125 +206,16 @@ def _sweep(matmul, models: dict, dtype, bench) -> dict:
 
 
 def section_decode(args) -> dict:
-    from kern.tiny import make_tiny
+    # tools/gpu/bench_decode.py (this folder is the script's, so on sys.path)
+    from bench_decode import section_decode as decode
 
-    models = SMALL if args.small else {m: MODELS[m] for m in args.models}
-    bw = copy_bandwidth(args.small)
-    print(f"copy bandwidth (read + written), the roofline's: {bw / 1e12:.2f} TB/s")
-    batches = (1, 2) if args.small else (1, 8, 64)
-    prompt, steps = (16, 4) if args.small else (128, 32)
-    prefill_len = 64 if args.small else 2048
-    out: dict = {"copy_bytes_per_s": bw, "rows": []}
-    print()
-    print(
-        "| model | batch | kern decode tok/s | roofline tok/s | of roofline "
-        "| HF generate b1 tok/s | kern ms/step |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, sizes in models.items():
-        path = args.work / name
-        if not (path / "config.json").is_file():
-            t = time.perf_counter()
-            make_tiny("qwen3", path, seed=0, overwrite=True, dtype="bfloat16", shards=4, **sizes)
-            print(f"<!-- made {name} in {time.perf_counter() - t:.0f} s -->", flush=True)
-        out["rows"] += _decode_model(name, path, sizes, batches, prompt, steps, bw, args.small)
-        out.setdefault("prefill", {})[name] = _prefill(path, prefill_len, args.small)
-    return out
+    return decode(args)
 
 
-def _decode_model(name, path, sizes, batches, prompt, steps, bw, small) -> list:
-    from kern.chunk import SeqChunk
-    from kern.engine.params import SamplingParams
-    from kern.engine.sampler import sample
+def section_sync(args) -> dict:
+    from bench_sync import section_sync as sync_check
 
-    ckpt = _load(path, small)
-    weight_bytes = _weight_bytes(ckpt)
-    kv_per_token = 2 * sizes["layers"] * sizes["kv_heads"] * sizes["head_dim"] * 2
-    hf = _hf_generate(path, prompt, steps, small)
-    rows = []
-    page = 16
-    gen = torch.Generator().manual_seed(0)
-    for b in batches:
-        runner, tables = _runner(ckpt, b, prompt + steps + 1, page)
-        prompts = torch.randint(0, ckpt.config.vocab_size, (b, prompt), generator=gen).tolist()
-        greedy = [SamplingParams()] * b
-        logits = runner.forward(
-            [
-                SeqChunk(p, 0, t, slot=i)
-                for i, (p, t) in enumerate(zip(prompts, tables, strict=True))
-            ]
-        )
-        first = sample(logits, greedy, [0] * b)
-
-        def run(first=first, b=b, tables=tables, runner=runner, greedy=greedy) -> None:
-            tokens, pos = first, prompt
-            for s in range(steps):
-                batch = [SeqChunk([tokens[i]], pos, tables[i], slot=i) for i in range(b)]
-                tokens = sample(runner.forward(batch), greedy, [s + 1] * b)
-                pos += 1
-
-        seconds = timed(run, repeat=3, warmup=1)
-        tok_s = b * steps / seconds
-        # bytes one step reads: every weight once, and each sequence's KV at mid-decode
-        step_bytes = weight_bytes + b * (prompt + steps // 2) * kv_per_token
-        roof = b * bw / 2 / step_bytes  # copy bandwidth counts a byte read and one written
-        rows.append((name, b, tok_s, roof, hf if b == 1 else None, seconds / steps * 1e3))
-        hf_s = f"{hf:,.0f}" if b == 1 and hf else ""
-        print(
-            f"| {name} | {b} | {tok_s:,.0f} | {roof:,.0f} | {tok_s / roof:.0%} | {hf_s} "
-            f"| {seconds / steps * 1e3:.2f} |",
-            flush=True,
-        )
-        del runner
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return rows
-
-
-def _weight_bytes(ckpt) -> int:
-    """Bytes of the weights one decode step reads in bf16: all of them, except the embedding
-    table when the LM head is a separate tensor (a step reads a few of its rows)."""
-    total = 0
-    tied = "lm_head.weight" not in ckpt.tensors
-    for key, t in ckpt.tensors.items():
-        if key == "model.embed_tokens.weight" and not tied:
-            continue
-        total += t.numel() * 2
-    return total
-
-
-def _hf_generate(path: Path, prompt: int, steps: int, small: bool) -> float | None:
-    """transformers' batch-1 greedy generate on the same weights, decoded tokens/s."""
-    try:
-        import transformers
-    except ImportError:
-        print("<!-- transformers is not installed: no generate figure -->")
-        return None
-    dtype = torch.float32 if small else torch.bfloat16
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device())
-    model.eval()
-    ids = torch.randint(0, model.config.vocab_size, (1, prompt), device=device())
-    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-
-    def gen(n: int):
-        return lambda: model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
-
-    with torch.inference_mode():
-        full = timed(gen(steps + 1), repeat=2, warmup=1)
-        one = timed(gen(1), repeat=2, warmup=1)
-    return steps / max(full - one, 1e-9)
-
-
-def _prefill(path: Path, tokens: int, small: bool) -> float:
-    from kern.chunk import SeqChunk
-
-    ckpt = _load(path, small)
-    runner, tables = _runner(ckpt, 1, tokens + 1, 16)
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, ckpt.config.vocab_size, (tokens,), generator=gen).tolist()
-    seconds = timed(lambda: runner.forward([SeqChunk(prompt, 0, tables[0], slot=0)]), repeat=3)
-    print(f"- {path.name}: prefill of one {tokens}-token prompt: {tokens / seconds:,.0f} tok/s")
-    return tokens / seconds
+    return sync_check(args)
 
 
 def section_graphs(args) -> dict:
@@ -325,6 +231,7 @@ SECTIONS = {
     "gemm": section_gemm,
     "decode": section_decode,
     "graphs": section_graphs,
+    "sync": section_sync,
 }
 
 
@@ -339,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=sorted(MODELS),
         default=sorted(MODELS),
-        help="decode: the models to make and run (making the ~4B one takes minutes)",
+        help="decode: the models to make and run (making the ~4B and ~8B ones takes minutes)",
     )
     args = parser.parse_args(argv)
     if args.section != "env" and not args.small and not torch.cuda.is_available():

@@ -11,8 +11,10 @@
 #                wheel from scripts/build-wheel and what the machine's Python lacks, from
 #                constraints.txt's pins) into a fresh folder, and run with the machine's python3
 # --cpu          the CPU mode even where a GPU is present
-# --only STEPS   some of: env, kernels, gemm, decode, graphs, e2e (default: all, in that order)
-# --models M...  decode: qwen3-0.6b and/or qwen3-4b (default both; making the ~4B takes minutes)
+# --only STEPS   some of: env, kernels, gemm, sync, graphs, decode, e2e (default: all, in that
+#                order)
+# --models M...  decode: some of qwen3-0.6b, qwen3-4b, qwen3-8b (default qwen3-0.6b qwen3-8b:
+#                the figures the decode targets name; making the ~8B takes a minute or two)
 # --targets A,B  e2e: some of tools/e2e/gpu.toml's targets (default all)
 # --e2e-limit S  e2e: its time limit in seconds (default 300)
 # Without --wheels it uses .venv (scripts/setup makes it when missing).
@@ -20,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
 out=${OUT:-$root/tools/gpu/out}
-wheels="" cpu=0 only="env,kernels,gemm,decode,graphs,e2e" models="qwen3-0.6b qwen3-4b"
+wheels="" cpu=0 only="env,kernels,gemm,sync,graphs,decode,e2e" models="qwen3-0.6b qwen3-8b"
 targets="" e2e_limit=300
 while [ $# -gt 0 ]; do
   case $1 in
@@ -105,19 +107,22 @@ step env 30 "$py" tools/gpu/bench.py env
 if [ $gpu = 1 ]; then
   step kernels 90 env KERN_KERNEL_DEVICE=cuda "$py" -m pytest -q -p no:cacheprovider tests/kernels
   step gemm 110 "$py" tools/gpu/bench.py gemm --json "$out/gemm.json"
-  # shellcheck disable=SC2086
-  step decode 150 "$py" tools/gpu/bench.py decode --models $models --work "$work/models" --json "$out/decode.json"
+  # one eager step first, its forward under set_sync_debug_mode("error")
+  step sync 90 "$py" tools/gpu/bench.py sync --work "$work/models" --json "$out/sync.json"
   # graph replay bits == eager bits padded to every size, capture time, ms/step both ways
   step graphs 120 "$py" tools/gpu/bench.py graphs --work "$work/models" --json "$out/graphs.json"
+  # shellcheck disable=SC2086
+  step decode 240 "$py" tools/gpu/bench.py decode --models $models --work "$work/models" --json "$out/decode.json"
   # shellcheck disable=SC2086
   step e2e "$e2e_limit" "$py" tools/e2e/e2e.py --config tools/e2e/gpu.toml $targets --out "$work/e2e" --timeout 300
 else
   # the kernel tests themselves run in pytest on the CPU; here only that the step works
   step kernels 300 env KERN_KERNEL_DEVICE=cpu "$py" -m pytest -q -p no:cacheprovider tests/kernels/test_matmul.py -k "tile or mistakes"
   step gemm 300 env TRITON_INTERPRET=1 "$py" tools/gpu/bench.py gemm --small
-  step decode 300 "$py" tools/gpu/bench.py decode --small --work "$work/models"
+  step sync 120 "$py" tools/gpu/bench.py sync --small --work "$work/models"
   # the padding logic through the CPU's eager stand-in (no graph is captured on a CPU)
   step graphs 120 "$py" tools/gpu/bench.py graphs --small --work "$work/models"
+  step decode 300 "$py" tools/gpu/bench.py decode --small --work "$work/models"
   # shellcheck disable=SC2086
   step e2e 120 "$py" tools/e2e/e2e.py --config tools/e2e/gpu.toml $targets --out "$work/e2e"
 fi

@@ -8,7 +8,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MODELS", "SMALL", "_load", "_runner", "device", "sync", "timed"]
+__all__ = [
+    "MODELS",
+    "SMALL",
+    "SPEC_READ_BW",
+    "_load",
+    "_runner",
+    "device",
+    "read_bandwidth",
+    "spec_read_bandwidth",
+    "sync",
+    "timed",
+]
 
 # (name, make-tiny sizes) of the models the issue names; --small swaps in a tiny one.
 MODELS = {
@@ -32,7 +43,28 @@ MODELS = {
         vocab=151936,
         tie_embeddings=True,
     ),
+    "qwen3-8b": dict(
+        layers=36,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        intermediate=12288,
+        vocab=151936,
+        tie_embeddings=False,
+    ),
 }
+# HBM bandwidth by the vendor's datasheets (bytes/s), by a substring of the device's name, most
+# specific first: NVIDIA's H100 (SXM 3.35 TB/s, NVL 3.9, PCIe 2.0), H200 (4.8) and A100 80GB
+# (SXM 2.039, PCIe 1.935) datasheets. A lead beside the measured figure, never instead of it.
+SPEC_READ_BW = (
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+)
 SMALL = {
     "qwen3-small": dict(
         layers=2,
@@ -54,6 +86,22 @@ def device() -> torch.device:
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def read_bandwidth(small: bool) -> float:
+    """Bytes read per second by a sum over a 4 GiB float32 buffer (64 MiB small), many times
+    any L2: what a memory-bound decode step's reads can reach on this device."""
+    n = (64 if small else 4096) * 2**20
+    buf = torch.zeros(n // 4, dtype=torch.float32, device=device())
+    return n / timed(lambda: buf.sum(), repeat=10)
+
+
+def spec_read_bandwidth() -> tuple[str, float | None]:
+    """The device's name and its datasheet bandwidth (None: not in SPEC_READ_BW, or no GPU)."""
+    if not torch.cuda.is_available():
+        return "cpu", None
+    name = torch.cuda.get_device_properties(0).name
+    return name, next((bw for key, bw in SPEC_READ_BW if key in name), None)
 
 
 def timed(fn, repeat: int = 5, warmup: int = 2) -> float:
