@@ -22,7 +22,11 @@ from kern.checkpoint.config import parse_config
 from kern.checkpoint.errors import CheckpointError, TensorError, TensorShapeError
 from kern.checkpoint.load import index_tensors, load_checkpoint
 from kern.engine.generate import generate
+from kern.engine.layout import Layout
 from kern.engine.ranks.shard import Shard, load_shard
+from kern.engine.targets import check_target
+from kern.errors import UsageError
+from kern.kern_toml import Target
 from kern.models.gpt_oss.tiny import quantize
 from kern.tiny import make_tiny
 
@@ -54,10 +58,11 @@ CONFIG = dict(
 )
 
 
-def _saved(out: Path) -> tuple[Path, object]:
+def _saved(out: Path, **changes) -> tuple[Path, object]:
     """A random gpt-oss built and saved by transformers, make-tiny's tokenizer files beside."""
     torch.manual_seed(5)
-    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).eval()
+    config = transformers.GptOssConfig(**{**CONFIG, **changes})
+    model = transformers.GptOssForCausalLM(config).eval()
     with torch.no_grad():  # initialised near 0, sinks and router biases would do nothing
         for name, p in model.named_parameters():
             if name.endswith(("sinks", "router.bias")):
@@ -122,6 +127,36 @@ def test_a_folder_transformers_saved_answers_like_transformers(saved, length):
     with torch.no_grad():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
     assert generate(ckpt, ids, 24, page_tokens=PAGE).ids == ref[0, length:].tolist()
+
+
+@pytest.mark.parametrize(
+    ("changes", "window_tokens", "full"),
+    [
+        (dict(layer_types=["full_attention"] * 3), 0, 3),
+        (dict(layer_types=["sliding_attention"] * 3, sliding_window=20), 32, 0),
+    ],
+    ids=["no-window", "all-sliding"],
+)
+def test_layer_mixes_without_one_kind_answer_like_transformers(
+    tmp_path, changes, window_tokens, full
+):
+    """No sliding layer (no window pages: a target's snapshot_pages is refused by name), and
+    only sliding layers (pages hold nothing, every K/V in window pages of 32): both answer as
+    transformers does, 24 greedy steps past the window and a page."""
+    folder, model = _saved(tmp_path / "hf", **changes)
+    ckpt = load_checkpoint(folder)
+    layout = Layout.of(ckpt.config, torch.float32, PAGE)
+    assert layout.pages.window_tokens == window_tokens and layout.pages.num_full == full
+    ids = _prompt(41)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    assert generate(ckpt, ids, 24, page_tokens=PAGE).ids == ref[0, 41:].tolist()
+    target = Target(name="t", checkpoint=folder, snapshot_pages=2)
+    if window_tokens:
+        check_target(target, serving=True)
+    else:
+        with pytest.raises(UsageError, match="snapshot_pages = 2 applies to models with window"):
+            check_target(target, serving=True)
 
 
 def test_the_release_mxfp4_layout_answers_like_transformers_dequantising_loader(saved):
