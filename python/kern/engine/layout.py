@@ -11,9 +11,9 @@ Design notes
   (``[linear layers, Hv, Dk, Dv]``, float32, as the delta rule keeps it), then the conv state
   (``[linear layers, C, K - 1]`` in the backend's dtype). Float32 first keeps both parts
   aligned at any slot stride the pool picks (a multiple of 16 bytes).
-* A page kind with window pages (DeepSeek-V4's, ``PageKind.window_tokens``) keeps them in
-  the slots instead: a window page is a slot (``state_bytes`` is its size), and the model
-  keeps no recurrent state (``stateful`` is False).
+* A page kind with window pages (DeepSeek-V4's, gpt-oss's; ``PageKind.window_tokens``) keeps
+  them in the slots instead: a window page is a slot (``state_bytes`` is its size), and the
+  model keeps no recurrent state (``stateful`` is False).
 * The pool places page ``p`` at byte ``p * page_bytes`` and slot ``s`` at ``s * slot_stride``
   of the same arena (``kern.pool.Geometry``), so these byte counts are the whole contract.
 """

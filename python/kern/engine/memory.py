@@ -30,8 +30,9 @@ Design notes
   and never do. Draft pages are private to their request and never given to the tree.
 * Sharing with the tree while a request runs (prefill pages, prompt-end snapshots):
   :class:`kern.engine.sharing.Sharing`, which memory is.
-* Window pages (DeepSeek-V4's): :class:`kern.engine.window_pages.WindowPages`, which
-  memory holds as ``windows``; such a model resumes only at a snapshot, as a stateful one.
+* Window pages (DeepSeek-V4's, gpt-oss's sliding layers'):
+  :class:`kern.engine.window_pages.WindowPages`, which memory holds as ``windows``; such a
+  model resumes only at a snapshot, as a stateful one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Window pages (a page kind with them, ``kern.models.window``; DeepSeek-V4's): the part of
-the cache's books (``kern.engine.memory``) that takes them as a request's rows reach them, gives
-them back once those rows settle, and makes the snapshots a hit resumes from.
+"""Window pages (a page kind with them, ``kern.models.window``; DeepSeek-V4's and gpt-oss's):
+the part of the cache's books (``kern.engine.memory``) that takes them as a request's rows reach
+them, gives them back once those rows settle, and makes the snapshots a hit resumes from.
 
 Design notes
 ------------
