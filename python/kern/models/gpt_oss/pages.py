@@ -15,9 +15,9 @@ Design notes
   window) stays 128.
 * Offset ``o`` of a sequence's window page ``j`` is position ``j * window_tokens + o``. A
   **snapshot** at ``end`` is one window page holding positions ``end - window_tokens .. end -
-  1`` at their offsets (:meth:`SlidingKvViews.snapshot`: the page of ``end - 1`` with the
-  previous page's later offsets folded in); a resumed sequence gets a copy in each window page
-  its next rows read (:meth:`SlidingKvViews.restore`), where every offset is either the
+  1`` at their offsets (``Pages.snapshot``: the page of ``end - 1`` with the previous page's
+  later offsets folded in by :meth:`SlidingKvViews.fold`); a resumed sequence gets a copy in
+  each window page its next rows read (``Pages.restore``), where every offset is either the
   snapshot's position or one the sequence writes before it reads it. K/V hold only what each
   position wrote, so a verify needs no rewind.
 * The sliding layers run on their own view of the step (:meth:`SlidingKvViews.window_step`:
