@@ -138,19 +138,19 @@ def window_step(step: Step, batch: Sequence[SeqChunk], window: int) -> Step:
     (``page_ids``, ``page_offsets``, ``slot_mapping``) and each chunk's table of window pages,
     -1 before the ones its rows read (``block_tables``), so no kernel reads a window page the
     sequence has given back. Built on the host from the chunks (no device read)."""
-    n = len(batch)
-    lens = np.array([len(c.token_ids) for c in batch], dtype=np.int64)
-    starts = np.array([c.start_pos for c in batch], dtype=np.int64)
-    ends = starts + lens
-    tables = np.full((n, int(cdiv(int(ends.max()), window))), -1, dtype=np.int64)
-    for row, c, s, e in zip(tables, batch, starts.tolist(), ends.tolist(), strict=True):
+    # The step's host lists, as build_step made them: no second pass over the chunks' tokens.
+    lens = np.array(step.q_lens, dtype=np.int64)
+    ends = np.array(step.ctx_lens, dtype=np.int64)
+    starts = ends - lens
+    tables = np.full((len(batch), cdiv(int(ends.max()), window)), -1, dtype=np.int64)
+    for row, c, s, e in zip(tables, batch, starts.tolist(), step.ctx_lens, strict=True):
         assert c.window is not None
         first = max(0, s - window + 1) // window  # kern.models.window.window_span
         last = cdiv(e, window)
         row[first:last] = c.window[first:last]
-    seq_of_row = np.repeat(np.arange(n), lens)
-    q_starts = np.cumsum(lens) - lens
-    positions = np.arange(int(lens.sum()), dtype=np.int64) + (starts - q_starts)[seq_of_row]
+    seq_of_row = np.repeat(np.arange(len(batch)), lens)
+    offset = starts - np.array(step.q_starts, dtype=np.int64)
+    positions = np.arange(int(lens.sum()), dtype=np.int64) + offset[seq_of_row]
     page_ids = tables[seq_of_row, positions // window]
     offsets = positions % window
     dev = step.page_ids.device

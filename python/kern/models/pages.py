@@ -23,9 +23,8 @@ Design notes
   overwritten when the sequence gets there again.
 * A kind may keep a sliding window's entries in **window pages** of their own (the pool's
   slots; ``PageKind.window_tokens``, DeepSeek-V4's and gpt-oss's): a running sequence holds
-  only the ones
-  its next rows read (``kern.engine.window_pages``), and a hit resumes only where the tree
-  holds a snapshot of the window (:meth:`Pages.snapshot`, :meth:`Pages.restore`).
+  only the ones its next rows read (``kern.engine.window_pages``), and a hit resumes only
+  where the tree holds a snapshot of the window (:meth:`Pages.snapshot`, :meth:`Pages.restore`).
 """
 
 from __future__ import annotations

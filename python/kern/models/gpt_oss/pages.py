@@ -28,6 +28,7 @@ Design notes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -102,10 +103,7 @@ class SlidingKvPages(PageKind):
     def window_bytes(self) -> int:
         if not self.window:
             return 0
-        numel = 1
-        for s in self.window_shape:
-            numel *= s
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.window_shape) * torch.empty((), dtype=self.dtype).element_size()
 
     def draft_unit(self, any_stride: bool) -> int:
         if not self.num_full:
